@@ -1,0 +1,41 @@
+"""django-idempotency: exactly-once effects for Django views and message consumers.
+
+The public API is re-exported here and imported lazily, so that listing the app in
+``INSTALLED_APPS`` does not import models before the app registry is ready.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("django-idempotency")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0.0.0"
+
+__all__ = [
+    "__version__",
+    "idempotent",
+    "idempotent_consumer",
+    "new_event_id",
+    "try_reserve",
+]
+
+_LAZY = {
+    "idempotent": "django_idempotency.decorators",
+    "idempotent_consumer": "django_idempotency.events",
+    "new_event_id": "django_idempotency.events",
+    "try_reserve": "django_idempotency.events",
+}
+
+if TYPE_CHECKING:
+    from django_idempotency.decorators import idempotent
+    from django_idempotency.events import idempotent_consumer, new_event_id, try_reserve
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

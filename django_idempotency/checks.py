@@ -1,0 +1,118 @@
+"""System checks: every misconfiguration gets a stable ID and a hint that says what to change.
+
+======================  =====================================================================
+ID                      Meaning
+======================  =====================================================================
+django_idempotency.E001 ``IDEMPOTENCY`` holds a key this app does not know.
+django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of zero or less...).
+django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
+django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
+django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported.
+django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
+django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
+======================  =====================================================================
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Tags, Warning, register
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+from django_idempotency.conf import OPTIONS, SETTING_NAME, conf
+
+MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
+AUTHENTICATION_MIDDLEWARE_PATH = "django.contrib.auth.middleware.AuthenticationMiddleware"
+MIN_RECORD_TTL = timedelta(hours=24)
+
+
+@register(Tags.compatibility)
+def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    try:
+        user = conf.user_settings()
+    except ImproperlyConfigured as exc:
+        return [
+            Error(str(exc), hint=f"Set {SETTING_NAME} = {{...}}.", id="django_idempotency.E003")
+        ]
+    messages: list[CheckMessage] = []
+    for name in sorted(set(user) - set(OPTIONS)):
+        messages.append(
+            Error(
+                f"{SETTING_NAME}[{name!r}] is not a django-idempotency setting.",
+                hint=f"Remove it or correct the spelling. Known keys: {', '.join(OPTIONS)}.",
+                id="django_idempotency.E001",
+            )
+        )
+    valid: dict[str, Any] = {}
+    for name in OPTIONS:
+        try:
+            valid[name] = conf.value(name)
+        except ImproperlyConfigured as exc:
+            messages.append(
+                Error(
+                    str(exc),
+                    hint=f"Default: {OPTIONS[name].default!r}. {OPTIONS[name].doc}",
+                    id="django_idempotency.E002",
+                )
+            )
+    messages.extend(_ttl_warnings(valid))
+    if valid.get("OWNER"):
+        try:
+            import_string(valid["OWNER"])
+        except ImportError as exc:
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OWNER'] = {valid['OWNER']!r} cannot be imported: {exc}.",
+                    hint="Point it at a callable that takes the request and returns a string.",
+                    id="django_idempotency.E005",
+                )
+            )
+    return messages
+
+
+def _ttl_warnings(valid: dict[str, Any]) -> list[CheckMessage]:
+    messages: list[CheckMessage] = []
+    record_ttl = valid.get("RECORD_TTL")
+    event_ttl = valid.get("EVENT_TTL")
+    if record_ttl is not None and record_ttl < MIN_RECORD_TTL:
+        messages.append(
+            Warning(
+                f"{SETTING_NAME}['RECORD_TTL'] is {record_ttl}, under 24 hours.",
+                hint="A client that retries after an outage would no longer be recognised and "
+                "its request would run twice. Keep at least timedelta(hours=24).",
+                id="django_idempotency.W001",
+            )
+        )
+    if record_ttl is not None and event_ttl is not None and event_ttl < record_ttl:
+        messages.append(
+            Warning(
+                f"{SETTING_NAME}['EVENT_TTL'] ({event_ttl}) is shorter than "
+                f"RECORD_TTL ({record_ttl}).",
+                hint="Events are redelivered later than HTTP retries arrive; "
+                "raise EVENT_TTL to at least RECORD_TTL.",
+                id="django_idempotency.W002",
+            )
+        )
+    return messages
+
+
+@register(Tags.compatibility)
+def check_middleware_order(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
+    if MIDDLEWARE_PATH not in middleware or AUTHENTICATION_MIDDLEWARE_PATH not in middleware:
+        return []
+    if middleware.index(MIDDLEWARE_PATH) < middleware.index(AUTHENTICATION_MIDDLEWARE_PATH):
+        return [
+            Error(
+                "IdempotencyMiddleware is placed before AuthenticationMiddleware, so every key "
+                "would be scoped to an anonymous owner.",
+                hint=f"Move {MIDDLEWARE_PATH!r} after {AUTHENTICATION_MIDDLEWARE_PATH!r} "
+                "in MIDDLEWARE.",
+                id="django_idempotency.E004",
+            )
+        ]
+    return []

@@ -1,0 +1,282 @@
+"""Settings for django-idempotency, read lazily from one ``IDEMPOTENCY`` dict.
+
+Every option is declared once in :data:`OPTIONS`, with its default and the function that
+validates a user's value. :data:`conf` reads ``settings.IDEMPOTENCY`` on each access, so
+``override_settings`` works in tests and nothing is read at import time.
+
+.. code-block:: python
+
+    IDEMPOTENCY = {
+        "RECORD_TTL": timedelta(hours=48),
+        "PATHS": [r"^/api/"],
+    }
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+SETTING_NAME = "IDEMPOTENCY"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def _error(name: str, message: str) -> ImproperlyConfigured:
+    return ImproperlyConfigured(f"{SETTING_NAME}[{name!r}] {message}")
+
+
+def _duration(name: str, value: Any) -> timedelta:
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
+        raise _error(name, f"must be a timedelta or a number of seconds, not {value!r}.")
+    duration = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if duration <= timedelta(0):
+        raise _error(name, f"must be longer than zero, not {duration}.")
+    return duration
+
+
+def _seconds(name: str, value: Any) -> float:
+    """A non-negative number of seconds (a timedelta is accepted too)."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _error(name, f"must be zero or a positive number of seconds, not {value!r}.")
+    return float(value)
+
+
+def _positive_int(maximum: int | None = None) -> Callable[[str, Any], int]:
+    def parse(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _error(name, f"must be a positive integer, not {value!r}.")
+        if maximum is not None and value > maximum:
+            raise _error(name, f"must be at most {maximum}, not {value}.")
+        return int(value)
+
+    return parse
+
+
+def _strings(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise _error(name, f"must be a list or tuple of strings, not {value!r}.")
+    items = tuple(value)
+    if not all(isinstance(item, str) for item in items):
+        raise _error(name, f"must contain only strings, not {items!r}.")
+    return items
+
+
+def _methods(name: str, value: Any) -> frozenset[str]:
+    methods = frozenset(method.upper() for method in _strings(name, value))
+    unsafe = methods & SAFE_METHODS
+    if unsafe:
+        raise _error(
+            name,
+            f"lists {', '.join(sorted(unsafe))}: safe methods are never handled. "
+            "List only POST, PUT, PATCH or DELETE.",
+        )
+    return methods
+
+
+def _header(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"[A-Za-z0-9-]+", value):
+        raise _error(name, f"must be a header name such as 'Idempotency-Key', not {value!r}.")
+    return value
+
+
+def _patterns(name: str, value: Any) -> tuple[re.Pattern[str], ...]:
+    compiled = []
+    for pattern in _strings(name, value):
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as exc:
+            raise _error(name, f"holds an invalid regular expression {pattern!r}: {exc}.") from exc
+    return tuple(compiled)
+
+
+def _status_codes(name: str, value: Any) -> frozenset[int]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise _error(name, f"must be a list of HTTP status codes, not {value!r}.")
+    codes = tuple(value)
+    if not all(isinstance(code, int) and 100 <= code <= 599 for code in codes):
+        raise _error(name, f"must contain only HTTP status codes (100-599), not {codes!r}.")
+    return frozenset(codes)
+
+
+def _database(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in settings.DATABASES:
+        raise _error(
+            name,
+            f"names the database alias {value!r}, which is not in DATABASES "
+            f"({', '.join(settings.DATABASES)}).",
+        )
+    return value
+
+
+def _optional_dotted_path(name: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or "." not in value:
+        raise _error(name, f"must be a dotted path to a callable, or None, not {value!r}.")
+    return value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _error(name, f"must be True or False, not {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class Option:
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+
+
+OPTIONS: dict[str, Option] = {
+    "RECORD_TTL": Option(
+        timedelta(hours=24), _duration, "How long an HTTP idempotency record is kept."
+    ),
+    "EVENT_TTL": Option(timedelta(days=7), _duration, "How long a processed-event row is kept."),
+    "HEADER": Option("Idempotency-Key", _header, "The request header that carries the key."),
+    "METHODS": Option(("POST", "PATCH"), _methods, "The HTTP methods that are handled."),
+    "DATABASE": Option(
+        "default", _database, "The database alias that holds records; the business data's own."
+    ),
+    "MAX_KEY_LENGTH": Option(255, _positive_int(255), "The longest key accepted, in characters."),
+    "PATHS": Option((), _patterns, "Regexes of paths the middleware handles (empty: none)."),
+    "WAIT": Option(
+        0, _seconds, "Seconds a concurrent duplicate waits for the first request to finish."
+    ),
+    "RETRY_AFTER": Option(1, _positive_int(), "Retry-After seconds sent with a 409."),
+    "REPLAY_HEADERS": Option(
+        (), _strings, "Response headers replayed besides Content-Type and Location."
+    ),
+    "UNSTORED_STATUSES": Option(
+        (401, 403, 408, 409, 425, 429),
+        _status_codes,
+        "4xx statuses that depend on time or credentials and are never stored.",
+    ),
+    "ROLLBACK_ON_SERVER_ERROR": Option(
+        True, _boolean, "Roll the transaction back when the view returns a 5xx response."
+    ),
+    "MAX_RESPONSE_BYTES": Option(
+        1024 * 1024, _positive_int(), "The largest response body stored for replay."
+    ),
+    "OWNER": Option(
+        None,
+        _optional_dotted_path,
+        "Dotted path to a callable(request) -> str that scopes keys (default: the user).",
+    ),
+    "LEASE": Option(
+        timedelta(seconds=60), _duration, "How long a lease-mode claim is held before takeover."
+    ),
+    "MAX_DELIVERIES": Option(
+        5, _positive_int(), "Deliveries of one event before a consumer parks it."
+    ),
+    "PURGE_BATCH_SIZE": Option(1000, _positive_int(), "Rows deleted per purge transaction."),
+    "PURGE_MAX_SECONDS": Option(
+        300, _seconds, "Wall-clock budget of one purge run (0: no limit)."
+    ),
+}
+
+
+class IdempotencySettings:
+    """Typed, lazy access to ``settings.IDEMPOTENCY``; each read parses and validates."""
+
+    @staticmethod
+    def user_settings() -> dict[str, Any]:
+        value = getattr(settings, SETTING_NAME, {})
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ImproperlyConfigured(
+                f"The {SETTING_NAME} setting must be a dict, not {type(value).__name__}."
+            )
+        return value
+
+    def value(self, name: str) -> Any:
+        option = OPTIONS[name]
+        user = self.user_settings()
+        return (
+            option.parse(name, user[name]) if name in user else option.parse(name, option.default)
+        )
+
+    @property
+    def RECORD_TTL(self) -> timedelta:
+        return self.value("RECORD_TTL")  # type: ignore[no-any-return]
+
+    @property
+    def EVENT_TTL(self) -> timedelta:
+        return self.value("EVENT_TTL")  # type: ignore[no-any-return]
+
+    @property
+    def HEADER(self) -> str:
+        return self.value("HEADER")  # type: ignore[no-any-return]
+
+    @property
+    def METHODS(self) -> frozenset[str]:
+        return self.value("METHODS")  # type: ignore[no-any-return]
+
+    @property
+    def DATABASE(self) -> str:
+        return self.value("DATABASE")  # type: ignore[no-any-return]
+
+    @property
+    def MAX_KEY_LENGTH(self) -> int:
+        return self.value("MAX_KEY_LENGTH")  # type: ignore[no-any-return]
+
+    @property
+    def PATHS(self) -> tuple[re.Pattern[str], ...]:
+        return self.value("PATHS")  # type: ignore[no-any-return]
+
+    @property
+    def WAIT(self) -> float:
+        return self.value("WAIT")  # type: ignore[no-any-return]
+
+    @property
+    def RETRY_AFTER(self) -> int:
+        return self.value("RETRY_AFTER")  # type: ignore[no-any-return]
+
+    @property
+    def REPLAY_HEADERS(self) -> tuple[str, ...]:
+        return self.value("REPLAY_HEADERS")  # type: ignore[no-any-return]
+
+    @property
+    def UNSTORED_STATUSES(self) -> frozenset[int]:
+        return self.value("UNSTORED_STATUSES")  # type: ignore[no-any-return]
+
+    @property
+    def ROLLBACK_ON_SERVER_ERROR(self) -> bool:
+        return self.value("ROLLBACK_ON_SERVER_ERROR")  # type: ignore[no-any-return]
+
+    @property
+    def MAX_RESPONSE_BYTES(self) -> int:
+        return self.value("MAX_RESPONSE_BYTES")  # type: ignore[no-any-return]
+
+    @property
+    def OWNER(self) -> str | None:
+        return self.value("OWNER")  # type: ignore[no-any-return]
+
+    @property
+    def LEASE(self) -> timedelta:
+        return self.value("LEASE")  # type: ignore[no-any-return]
+
+    @property
+    def MAX_DELIVERIES(self) -> int:
+        return self.value("MAX_DELIVERIES")  # type: ignore[no-any-return]
+
+    @property
+    def PURGE_BATCH_SIZE(self) -> int:
+        return self.value("PURGE_BATCH_SIZE")  # type: ignore[no-any-return]
+
+    @property
+    def PURGE_MAX_SECONDS(self) -> float:
+        return self.value("PURGE_MAX_SECONDS")  # type: ignore[no-any-return]
+
+
+conf = IdempotencySettings()

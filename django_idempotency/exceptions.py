@@ -1,0 +1,110 @@
+"""Errors raised by django-idempotency.
+
+HTTP-facing errors derive from :class:`ProblemError`. Each carries its status and renders as an
+``application/problem+json`` body (RFC 9457).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from django.http import HttpResponse
+
+PROBLEM_CONTENT_TYPE = "application/problem+json"
+PROBLEM_TYPE_BASE = "https://django-idempotency.readthedocs.io/en/latest/problems/#"
+
+
+class IdempotencyError(Exception):
+    """Base class of every error this app raises."""
+
+
+class ProblemError(IdempotencyError):
+    """An error answered to the client as ``application/problem+json``."""
+
+    status: ClassVar[int] = 400
+    slug: ClassVar[str] = "bad-request"
+    title: ClassVar[str] = "Bad request"
+
+    def __init__(self, detail: str, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.extra = extra
+
+    @property
+    def type(self) -> str:
+        return PROBLEM_TYPE_BASE + self.slug
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def as_dict(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "type": self.type,
+            "title": self.title,
+            "status": self.status,
+            "detail": self.detail,
+        }
+        body.update(self.extra)
+        return body
+
+    def as_response(self) -> HttpResponse:
+        response = HttpResponse(
+            json.dumps(self.as_dict()),
+            status=self.status,
+            content_type=PROBLEM_CONTENT_TYPE,
+        )
+        for name, value in self.headers().items():
+            response[name] = value
+        return response
+
+
+class MissingKey(ProblemError):
+    status = 400
+    slug = "missing-key"
+    title = "Idempotency key required"
+
+
+class MalformedKey(ProblemError):
+    status = 400
+    slug = "malformed-key"
+    title = "Malformed idempotency key"
+
+
+class KeyReused(ProblemError):
+    status = 422
+    slug = "key-reused"
+    title = "Idempotency key reused for a different request"
+
+
+class RequestInProgress(ProblemError):
+    status = 409
+    slug = "in-progress"
+    title = "A request with this idempotency key is in progress"
+
+    def __init__(self, detail: str, *, retry_after: int, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class ResponseNotStored(ProblemError):
+    """The first request ran, but its response could not be stored for replay."""
+
+    status = 409
+    slug = "response-not-stored"
+    title = "The request was already processed; its response was not stored"
+
+
+class StaleClaim(IdempotencyError):
+    """A holder tried to complete or release a record it no longer owns."""
+
+
+class MissingEventId(IdempotencyError, ValueError):
+    """A message reached a consumer without an event id."""
+
+
+class EventParked(IdempotencyError):
+    """An event was delivered more than ``MAX_DELIVERIES`` times and was parked."""

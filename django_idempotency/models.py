@@ -1,0 +1,119 @@
+"""The tables behind django-idempotency.
+
+* :class:`IdempotencyRecord` remembers one HTTP command per (owner, key) and its response.
+* :class:`ProcessedEvent` remembers that a consumer applied an event; it is written in the same
+  transaction as the business effect.
+* :class:`EventDelivery` counts deliveries of an event, committed apart from the business
+  transaction, so a message that keeps killing its worker can be parked.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import models
+from django.utils import timezone
+from django.utils.translation import gettext_lazy as _
+
+
+class IdempotencyRecord(models.Model):
+    class State(models.TextChoices):
+        IN_PROGRESS = "in_progress", _("in progress")
+        COMPLETED = "completed", _("completed")
+
+    owner = models.CharField(
+        _("owner scope"), max_length=255, help_text=_("Whose key this is: a user or a token hash.")
+    )
+    key = models.CharField(_("idempotency key"), max_length=255)
+    fingerprint = models.CharField(
+        _("request fingerprint"),
+        max_length=64,
+        help_text=_("SHA-256 of the method, path, query string and canonical body."),
+    )
+    method = models.CharField(_("method"), max_length=10)
+    path = models.CharField(_("path"), max_length=2000)
+    state = models.CharField(
+        _("state"), max_length=16, choices=State.choices, default=State.IN_PROGRESS
+    )
+    token = models.UUIDField(
+        _("ownership token"),
+        default=uuid.uuid4,
+        help_text=_("Changes on every claim; completing or releasing must present it."),
+    )
+    locked_until = models.DateTimeField(
+        _("locked until"), null=True, blank=True, help_text=_("End of a lease-mode claim.")
+    )
+    response_status = models.PositiveSmallIntegerField(_("response status"), null=True, blank=True)
+    response_headers = models.JSONField(_("response headers"), default=dict, blank=True)
+    response_body = models.BinaryField(_("response body"), null=True, blank=True)
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    completed_at = models.DateTimeField(_("completed"), null=True, blank=True)
+    expires_at = models.DateTimeField(_("expires"))
+
+    class Meta:
+        verbose_name = _("idempotency record")
+        verbose_name_plural = _("idempotency records")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["owner", "key"], name="idempotency_record_owner_key_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["expires_at"], name="idem_record_expires_idx"),
+            models.Index(fields=["created_at"], name="idem_record_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path} [{self.key}]"
+
+
+class ProcessedEvent(models.Model):
+    consumer = models.CharField(_("consumer"), max_length=255)
+    event_id = models.CharField(_("event id"), max_length=255)
+    topic = models.CharField(_("topic"), max_length=255, blank=True, default="")
+    processed_at = models.DateTimeField(_("processed"), default=timezone.now)
+    expires_at = models.DateTimeField(_("expires"))
+
+    class Meta:
+        verbose_name = _("processed event")
+        verbose_name_plural = _("processed events")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "event_id"], name="idempotency_event_consumer_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["expires_at"], name="idem_event_expires_idx"),
+            models.Index(fields=["processed_at"], name="idem_event_processed_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer}: {self.event_id}"
+
+
+class EventDelivery(models.Model):
+    consumer = models.CharField(_("consumer"), max_length=255)
+    event_id = models.CharField(_("event id"), max_length=255)
+    topic = models.CharField(_("topic"), max_length=255, blank=True, default="")
+    deliveries = models.PositiveIntegerField(_("deliveries"), default=0)
+    first_delivered_at = models.DateTimeField(_("first delivered"), default=timezone.now)
+    last_delivered_at = models.DateTimeField(_("last delivered"), default=timezone.now)
+    parked_at = models.DateTimeField(_("parked"), null=True, blank=True)
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    expires_at = models.DateTimeField(_("expires"))
+
+    class Meta:
+        verbose_name = _("event delivery")
+        verbose_name_plural = _("event deliveries")
+        constraints = [
+            models.UniqueConstraint(
+                fields=["consumer", "event_id"], name="idempotency_delivery_consumer_uniq"
+            ),
+        ]
+        indexes = [
+            models.Index(fields=["expires_at"], name="idem_delivery_expires_idx"),
+            models.Index(fields=["parked_at"], name="idem_delivery_parked_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.consumer}: {self.event_id} ({self.deliveries} deliveries)"

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Creates .venv (if needed) and installs the package in editable form with the given extras.
+# Usage: scripts/bootstrap.sh [extras]    e.g. scripts/bootstrap.sh dev,postgres,mysql
+# Re-installs only when setup.cfg or the extras change. Installs the MariaDB client headers
+# with apt-get when the mysql extra is asked for and they are missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-demo}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ ",$extras," == *",mysql,"* ]] \
+    && ! { pkg-config --exists libmariadb || pkg-config --exists mysqlclient; } 2>/dev/null; then
+  echo "== installing the MariaDB client headers (mysqlclient needs them)"
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libmariadb-dev pkg-config >/dev/null
+  else
+    echo "!! libmariadb-dev and pkg-config are missing; install them (as root: apt-get install" \
+         "libmariadb-dev pkg-config), or run the tests without MariaDB." >&2
+    exit 1
+  fi
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+fi
+
+stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')"
+want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "== installing django-idempotency[$extras] in editable form"
+  .venv/bin/python -m pip install -q -e ".[$extras]" 2> >(grep -v "is ignored" >&2)
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,122 @@
+"""Settings of the test project, shared by the demo and the test suite.
+
+Configured from the environment with django-environ:
+
+* ``DATABASE_URL``: SQLite by default (``testproject/db.sqlite3``); for example
+  ``postgres://postgres@127.0.0.1:5432/idempotency`` or ``mysql://root@127.0.0.1:3306/idempotency``.
+* ``CELERY_BROKER_URL``: unset means Celery runs tasks eagerly in the web process; set it
+  (``redis://127.0.0.1:6379/0``, ``amqp://guest:guest@127.0.0.1:5672//``) to use a real broker.
+* ``TEST_DB_SUFFIX``: appended to test database names so parallel runs do not collide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent
+env = environ.Env()
+
+SECRET_KEY = env("DJANGO_SECRET_KEY", default="testproject-not-a-secret")
+DEBUG = env.bool("DJANGO_DEBUG", default=True)
+ALLOWED_HOSTS = env.list("DJANGO_ALLOWED_HOSTS", default=["127.0.0.1", "localhost", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "django_idempotency",
+    "testproject.shop",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "testproject.urls"
+WSGI_APPLICATION = "testproject.wsgi.application"
+ASGI_APPLICATION = "testproject.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+TEST_DB_SUFFIX = env("TEST_DB_SUFFIX", default="")
+DATABASES = {
+    "default": env.db_url_config(
+        env("DATABASE_URL", default="") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
+    ),
+}
+_default_db = DATABASES["default"]
+if _default_db["ENGINE"] == "django.db.backends.sqlite3":
+    # A file, not memory: races, gunicorn workers and Celery workers share the test database.
+    _default_db["TEST"] = {"NAME": str(BASE_DIR / f"test_db{TEST_DB_SUFFIX}.sqlite3")}
+    _default_db.setdefault("OPTIONS", {}).update({"timeout": 20})
+else:
+    _default_db["TEST"] = {"NAME": f"test_idempotency{TEST_DB_SUFFIX}"}
+if _default_db["ENGINE"] == "django.db.backends.mysql":
+    _default_db.setdefault("OPTIONS", {}).update(
+        {"charset": "utf8mb4", "isolation_level": "read committed"}
+    )
+    _default_db["TEST"].update({"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"})
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "static"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.BasicAuthentication",
+    ],
+    "UNAUTHENTICATED_USER": None,
+}
+
+IDEMPOTENCY: dict[str, object] = {}
+
+CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
+CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=not CELERY_BROKER_URL)
+CELERY_TASK_EAGER_PROPAGATES = True
+CELERY_RESULT_BACKEND = env("CELERY_RESULT_BACKEND", default=None)
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "loggers": {
+        "django_idempotency": {
+            "handlers": ["console"],
+            "level": env("IDEMPOTENCY_LOG_LEVEL", default="INFO"),
+        },
+    },
+}

@@ -1,0 +1,64 @@
+"""Shared fixtures: which database the run is on, and which services can be reached.
+
+A test that needs PostgreSQL or MariaDB is marked ``postgres`` or ``mysql`` and runs in that
+backend's pass of the test command. A test that needs Redis or RabbitMQ asks for
+:func:`require_service`; when the service is down it is skipped, loudly, or fails when
+``REQUIRE_SERVICES=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from django.db import connection
+
+from tests.services import BROKER_URLS, reachable
+
+REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+UNREACHABLE = "SERVICE UNREACHABLE"
+VENDOR_MARKS = {"postgres": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
+
+
+def require_service(name: str) -> None:
+    """Skip (or, with REQUIRE_SERVICES=1, fail) unless the service answers."""
+    if reachable(name):
+        return
+    message = f"{UNREACHABLE}: {name}"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{message} (REQUIRE_SERVICES=1)")
+    pytest.skip(message)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "sqlite: runs only in the SQLite pass")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    wanted = [VENDOR_MARKS[m.name] for m in item.iter_markers() if m.name in VENDOR_MARKS]
+    if wanted and connection.vendor not in wanted:
+        pytest.skip(f"runs in the {' or '.join(wanted)} pass, this is {connection.vendor}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    unreachable = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if UNREACHABLE in str(report.longrepr)
+    ]
+    if unreachable:
+        terminalreporter.section("UNREACHABLE SERVICES", sep="!", red=True, bold=True)
+        terminalreporter.write_line(
+            f"{len(unreachable)} tests were SKIPPED because a service could not be reached. "
+            "Set REQUIRE_SERVICES=1 to make this a failure.",
+            red=True,
+            bold=True,
+        )
+
+
+@pytest.fixture(params=sorted(BROKER_URLS))
+def broker_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A real broker URL, once for Redis and once for RabbitMQ."""
+    require_service(request.param)
+    yield BROKER_URLS[request.param]

@@ -1,0 +1,83 @@
+from datetime import timedelta
+
+import pytest
+from django.core.checks import CheckMessage
+from django.test import override_settings
+
+from django_idempotency.checks import check_middleware_order, check_settings
+
+AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
+IDEM = "django_idempotency.middleware.IdempotencyMiddleware"
+
+
+def ids(messages: list[CheckMessage]) -> list[str | None]:
+    return [message.id for message in messages]
+
+
+def test_default_configuration_is_clean() -> None:
+    assert check_settings() == []
+    assert check_middleware_order() == []
+
+
+@override_settings(IDEMPOTENCY={"RECORD_TLL": 3600})
+def test_unknown_key_is_e001_and_named() -> None:
+    messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E001"]
+    assert "RECORD_TLL" in messages[0].msg
+    assert "RECORD_TTL" in (messages[0].hint or "")
+
+
+@override_settings(IDEMPOTENCY={"RECORD_TTL": 0})
+def test_zero_ttl_is_e002() -> None:
+    messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E002"]
+    assert "RECORD_TTL" in messages[0].msg
+
+
+@override_settings(IDEMPOTENCY={"EVENT_TTL": -1})
+def test_negative_event_ttl_is_e002() -> None:
+    assert ids(check_settings()) == ["django_idempotency.E002"]
+
+
+@override_settings(IDEMPOTENCY="nope")
+def test_not_a_dict_is_e003() -> None:
+    assert ids(check_settings()) == ["django_idempotency.E003"]
+
+
+@pytest.mark.parametrize(
+    "middleware",
+    [[IDEM, AUTH], ["django.contrib.sessions.middleware.SessionMiddleware", IDEM, AUTH]],
+)
+def test_middleware_before_authentication_is_e004(middleware: list[str]) -> None:
+    with override_settings(MIDDLEWARE=middleware):
+        messages = check_middleware_order()
+    assert ids(messages) == ["django_idempotency.E004"]
+    assert AUTH in (messages[0].hint or "")
+
+
+@override_settings(MIDDLEWARE=[AUTH, IDEM])
+def test_middleware_after_authentication_is_fine() -> None:
+    assert check_middleware_order() == []
+
+
+@override_settings(IDEMPOTENCY={"OWNER": "testproject.nowhere.owner"})
+def test_unimportable_owner_is_e005() -> None:
+    assert ids(check_settings()) == ["django_idempotency.E005"]
+
+
+@override_settings(IDEMPOTENCY={"RECORD_TTL": timedelta(hours=1)})
+def test_short_record_ttl_is_w001() -> None:
+    assert ids(check_settings()) == ["django_idempotency.W001"]
+
+
+@override_settings(IDEMPOTENCY={"RECORD_TTL": timedelta(days=3), "EVENT_TTL": timedelta(days=2)})
+def test_event_ttl_under_record_ttl_is_w002() -> None:
+    assert ids(check_settings()) == ["django_idempotency.W002"]
+
+
+def test_checks_are_registered_with_django() -> None:
+    from django.core import checks
+
+    with override_settings(IDEMPOTENCY={"BOGUS": 1}):
+        messages = checks.run_checks()
+    assert "django_idempotency.E001" in ids(messages)
