@@ -1,0 +1,5 @@
+"""Views that exist for the test suite (counting effects, sleeping, failing on purpose)."""
+
+from django.urls import URLPattern
+
+urlpatterns: list[URLPattern] = []
