@@ -51,7 +51,7 @@ def test_overrides_are_read_lazily() -> None:
         ("EVENT_TTL", "7d", "timedelta or a number of seconds"),
         ("METHODS", ["POST", "GET"], "safe methods are never handled"),
         ("METHODS", "POST", "list or tuple"),
-        ("HEADER", "Idempotency Key", "HTTP header name"),
+        ("HEADER", "Idempotency Key", "header name"),
         ("MAX_KEY_LENGTH", 300, "at most 255"),
         ("MAX_KEY_LENGTH", True, "positive integer"),
         ("DATABASE", "nope", "not in DATABASES"),
