@@ -24,7 +24,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   "$PYTHON" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
+  .venv/bin/python -m pip install -q --upgrade pip setuptools wheel 2> >(grep -v "is ignored" >&2)
 fi
 
 stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')"
