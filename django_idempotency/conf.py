@@ -130,6 +130,28 @@ def _boolean(name: str, value: Any) -> bool:
     return value
 
 
+PARTITION_INTERVALS = ("day", "month")
+
+
+def _partition_interval(name: str, value: Any) -> str | None:
+    """None (a plain table) or the range of one ``ProcessedEvent`` partition; PostgreSQL only."""
+    if value is None:
+        return None
+    if value not in PARTITION_INTERVALS:
+        raise _error(name, f"must be None, 'day' or 'month', not {value!r}.")
+    from django.db import connections
+
+    alias = IdempotencySettings.user_settings().get("DATABASE", "default")
+    if alias in settings.DATABASES and connections[alias].vendor != "postgresql":
+        raise _error(
+            name,
+            f"asks for partitioned events, which need PostgreSQL; the database {alias!r} is "
+            f"{connections[alias].vendor}. Remove the key: the plain table and the batched "
+            "purge (idempotency_purge) work on every database.",
+        )
+    return str(value)
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -181,6 +203,12 @@ OPTIONS: dict[str, Option] = {
     "PURGE_BATCH_SIZE": Option(1000, _positive_int(), "Rows deleted per purge transaction."),
     "PURGE_MAX_SECONDS": Option(
         300, _seconds, "Wall-clock budget of one purge run (0: no limit)."
+    ),
+    "EVENT_PARTITIONS": Option(
+        None,
+        _partition_interval,
+        "None, or 'day'/'month': ProcessedEvent is range-partitioned by event time "
+        "(PostgreSQL; see idempotency_partitions).",
     ),
 }
 
@@ -277,6 +305,10 @@ class IdempotencySettings:
     @property
     def PURGE_MAX_SECONDS(self) -> float:
         return self.value("PURGE_MAX_SECONDS")  # type: ignore[no-any-return]
+
+    @property
+    def EVENT_PARTITIONS(self) -> str | None:
+        return self.value("EVENT_PARTITIONS")  # type: ignore[no-any-return]
 
 
 conf = IdempotencySettings()

@@ -15,6 +15,12 @@ from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
+from django_idempotency.managers import (
+    EventDeliveryQuerySet,
+    IdempotencyRecordQuerySet,
+    ProcessedEventQuerySet,
+)
+
 
 class IdempotencyRecord(models.Model):
     class State(models.TextChoices):
@@ -50,6 +56,8 @@ class IdempotencyRecord(models.Model):
     completed_at = models.DateTimeField(_("completed"), null=True, blank=True)
     expires_at = models.DateTimeField(_("expires"))
 
+    objects = IdempotencyRecordQuerySet.as_manager()
+
     class Meta:
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
@@ -73,6 +81,8 @@ class ProcessedEvent(models.Model):
     topic = models.CharField(_("topic"), max_length=255, blank=True, default="")
     processed_at = models.DateTimeField(_("processed"), default=timezone.now)
     expires_at = models.DateTimeField(_("expires"))
+
+    objects = ProcessedEventQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("processed event")
@@ -101,6 +111,8 @@ class EventDelivery(models.Model):
     parked_at = models.DateTimeField(_("parked"), null=True, blank=True)
     last_error = models.TextField(_("last error"), blank=True, default="")
     expires_at = models.DateTimeField(_("expires"))
+
+    objects = EventDeliveryQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("event delivery")

@@ -11,6 +11,7 @@ Configured from the environment with django-environ:
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import environ
@@ -108,6 +109,14 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_RESULT_BACKEND = env("CELERY_RESULT_BACKEND", default=None)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# Purge expired idempotency records, processed events and delivery counters every 15 minutes
+# (run `celery -A testproject beat`); see docs/operations.md.
+CELERY_BEAT_SCHEDULE = {
+    "idempotency-purge": {
+        "task": "django_idempotency.purge_expired",
+        "schedule": timedelta(minutes=15),
+    },
+}
 
 LOGGING = {
     "version": 1,

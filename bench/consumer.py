@@ -1,0 +1,193 @@
+"""Consumer rows: an effect alone against ``try_reserve`` + the effect, and duplicates.
+
+Every row is the same transaction shape, one ``transaction.atomic`` per event:
+
+* ``effect alone``: insert one Effect (an unprotected consumer);
+* ``try_reserve + effect``: reserve the event id, then insert the Effect;
+* ``@idempotent_consumer + effect``: the same through the decorator;
+* ``duplicate (try_reserve)``: reserve an id that is already reserved (returns False);
+* ``duplicate (@idempotent_consumer)``: the same through the decorator.
+
+Run in its own process with the benchmark settings (the runner does that)::
+
+    BENCH_DATABASE_URL=postgres://... python -m bench.consumer --events 1000 --rounds 3
+
+It prints one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+CONSUMER = "bench.consumer"
+DECORATED = "bench.decorated-consumer"
+
+
+def _setup() -> None:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.benchproject.settings")
+    os.environ.setdefault("BENCH_VARIANT", "app")
+    django.setup()
+
+
+def build_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
+    """name -> (handle(event_id), which ids it takes: "new" or "duplicate")."""
+    from django.db import transaction
+
+    from bench.benchproject.models import Effect
+
+    rows: dict[str, tuple[Callable[[str], Any], str]] = {}
+
+    def effect_alone(event_id: str) -> None:
+        with transaction.atomic():
+            Effect.objects.create(name="consumer-alone", payload=event_id, amount_cents=1)
+
+    rows["effect alone"] = (effect_alone, "new")
+
+    try:
+        from django_idempotency import try_reserve
+    except ImportError as exc:
+        rows["try_reserve + effect"] = (_missing(exc), "new")
+        return rows
+
+    def reserved_effect(event_id: str) -> None:
+        with transaction.atomic():
+            if try_reserve(event_id, CONSUMER):
+                Effect.objects.create(name="consumer-reserved", payload=event_id, amount_cents=1)
+
+    def duplicate(event_id: str) -> None:
+        with transaction.atomic():
+            if try_reserve(event_id, CONSUMER):
+                raise AssertionError(f"{event_id} was reserved twice")
+
+    rows["try_reserve + effect"] = (reserved_effect, "new")
+    rows["duplicate (try_reserve)"] = (duplicate, "duplicate")
+
+    try:
+        from django_idempotency import idempotent_consumer
+
+        @idempotent_consumer(DECORATED, event_id=lambda evt: evt["event_id"])
+        def decorated(evt: dict[str, str]) -> None:
+            Effect.objects.create(name="consumer-decorated", payload=evt["event_id"])
+
+    except (ImportError, TypeError) as exc:
+        rows["@idempotent_consumer + effect"] = (_missing(exc), "new")
+    else:
+        rows["@idempotent_consumer + effect"] = (lambda eid: decorated({"event_id": eid}), "new")
+        rows["duplicate (@idempotent_consumer)"] = (
+            lambda eid: decorated({"event_id": eid}),
+            "duplicate-decorated",
+        )
+    return rows
+
+
+def _missing(exc: BaseException) -> Callable[[str], Any]:
+    def fail(event_id: str) -> None:
+        raise RuntimeError(f"not available: {exc}")
+
+    return fail
+
+
+def _reserve_all(ids: list[str], consumer: str) -> None:
+    """Untimed: process each id once so that the duplicate rows meet only known ids."""
+    from django.db import transaction
+
+    from django_idempotency import try_reserve
+
+    for event_id in ids:
+        with transaction.atomic():
+            try_reserve(event_id, consumer)
+
+
+def run(events: int, rounds: int) -> dict[str, Any]:
+    _setup()
+    from bench.benchproject.middleware import StatementCounter
+
+    rows = build_rows()
+    names = list(rows)
+    duplicates = [str(uuid.uuid4()) for _ in range(events * rounds)]
+    errors: dict[str, str] = {}
+    if "duplicate (try_reserve)" in rows:
+        _reserve_all(duplicates, CONSUMER)
+    if "duplicate (@idempotent_consumer)" in rows:
+        _reserve_all(duplicates, DECORATED)
+    per_round: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    statements: dict[str, Counter[int]] = {name: Counter() for name in names}
+    commits: dict[str, Counter[int]] = {name: Counter() for name in names}
+    for name in names:  # warm-up: imports, the connection, plan caches
+        handle, kind = rows[name]
+        if kind == "new":
+            try:
+                for _ in range(20):
+                    handle(str(uuid.uuid4()))
+            except Exception as exc:  # noqa: BLE001 - reported as the row's error
+                errors[name] = f"{type(exc).__name__}: {exc}"
+    for round_no in range(rounds):
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in errors:
+                continue
+            handle, kind = rows[name]
+            if kind == "new":
+                ids = [str(uuid.uuid4()) for _ in range(events)]
+            else:
+                ids = duplicates[round_no * events : (round_no + 1) * events]
+            latencies = []
+            began = time.perf_counter()
+            for event_id in ids:
+                t0 = time.perf_counter()
+                with StatementCounter().counting() as counter:
+                    handle(event_id)
+                latencies.append(time.perf_counter() - t0)
+                statements[name][counter.count] += 1
+                commits[name][counter.commits] += 1
+            elapsed = time.perf_counter() - began
+            latencies.sort()
+            per_round[name].append(
+                {
+                    "events_per_s": round(len(ids) / elapsed, 1),
+                    "p50_ms": round(latencies[len(latencies) // 2] * 1000, 3),
+                    "p99_ms": round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 3),
+                }
+            )
+    out_rows = []
+    alone = per_round.get("effect alone", [])
+    for name in names:
+        entry: dict[str, Any] = {"row": name, "rounds": per_round[name]}
+        if name in errors:
+            entry["error"] = errors[name]
+        if per_round[name]:
+            entry["events_per_s"] = statistics.median(r["events_per_s"] for r in per_round[name])
+            entry["p50_ms"] = statistics.median(r["p50_ms"] for r in per_round[name])
+            entry["p99_ms"] = statistics.median(r["p99_ms"] for r in per_round[name])
+            entry["statements"] = statements[name].most_common(1)[0][0]
+            entry["statements_histogram"] = {str(k): v for k, v in statements[name].items()}
+            entry["commits"] = commits[name].most_common(1)[0][0]
+            if alone and name != "effect alone":
+                pairs = zip(per_round[name], alone, strict=True)
+                entry["ratio_to_effect_alone"] = round(
+                    statistics.median(a["events_per_s"] / b["events_per_s"] for a, b in pairs), 3
+                )
+        out_rows.append(entry)
+    return {"events_per_round": events, "rounds": rounds, "rows": out_rows}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=1000, help="events per row per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.events, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,439 @@
+"""The benchmark runner behind ``scripts/bench.sh`` (``make bench``).
+
+It creates its databases (``idempotency_bench_*``), runs every section side by side in
+alternating rounds, prints tables, and writes ``bench/results/results.json`` (every figure)
+and ``bench/results/results.md`` (the tables, for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.httpbench import ROWS, run_http, run_race
+from bench.servers import (
+    REPO,
+    RESULTS,
+    Server,
+    postgres_version,
+    prepare,
+    recreate_database,
+    variant_env,
+)
+
+SECTIONS = ("http", "race", "consumer", "purge")
+VARIANTS = ("app", "dik", "drfi", "drfir", "drfik")
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
+HTTP_WORKERS = 4
+RACE_WORKERS, RACE_THREADS = 4, 4
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def database_for(variant: str) -> str:
+    return f"idempotency_bench_{variant}"
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import django
+
+    return {
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "postgresql": postgres_version(),
+        "python": platform.python_version(),
+        "django": django.get_version(),
+        "platform": platform.platform(),
+    }
+
+
+def flush_redis() -> None:
+    import redis
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+def start_servers(
+    variants: Sequence[str], problems: list[str], *, workers: int, threads: int, tag: str
+) -> dict[str, Server]:
+    servers = {
+        v: Server(v, database_for(v), workers=workers, threads=threads, name=f"{tag}-{v}").start()
+        for v in variants
+    }
+    ready: dict[str, Server] = {}
+    for variant, server in servers.items():
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            problems.append(f"{variant} server did not start: {exc}")
+            log(f"!! {variant}: {exc}")
+            server.stop()
+        else:
+            ready[variant] = server
+    return ready
+
+
+def run_consumer(events: int, rounds: int, problems: list[str]) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.consumer", "--events", str(events), "--rounds", str(rounds)],
+        env=variant_env("app", database_for("app")),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode:
+        problems.append(f"consumer benchmark failed:\n{done.stderr.strip()[-2000:]}")
+        return {"error": done.stderr.strip()[-2000:]}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run_purge(quick: bool, problems: list[str]) -> dict[str, Any]:
+    """Call bench/purge.py's ``main(argv) -> dict`` in its own process (its own settings)."""
+    if not (REPO / "bench" / "purge.py").exists():
+        problems.append("bench/purge.py does not exist: no purge figures")
+        return {"error": "bench/purge.py does not exist"}
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        code = (
+            "import json, sys\n"
+            "from bench.purge import main\n"
+            "result = main(sys.argv[2:])\n"
+            "with open(sys.argv[1], 'w') as f:\n"
+            "    json.dump(result, f, default=str)\n"
+        )
+        argv = ["--quick"] if quick else []
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+        done = subprocess.run(
+            [sys.executable, "-c", code, out.name, *argv],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if done.returncode:
+            problems.append(f"bench/purge.py failed:\n{done.stderr.strip()[-2000:]}")
+            return {"error": done.stderr.strip()[-2000:], "stdout": done.stdout[-2000:]}
+        result: dict[str, Any] = json.load(open(out.name))  # noqa: SIM115
+    return result
+
+
+# -- targets (issue 7) -------------------------------------------------------------------------
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    http = {(r["row"], r["clients"]): r for r in results.get("http", [])}
+    out: list[dict[str, Any]] = []
+
+    first = http.get(("app-first", 8))
+    out.append(
+        _target(
+            "first execution p50 <= 1.25x the bare view's p50 (PostgreSQL, 8 clients)",
+            first and first.get("p50_ratio"),
+            lambda v: v <= 1.25,
+            "x",
+        )
+    )
+    replay = http.get(("app-replay", 8))
+    out.append(
+        _target(
+            "a replay is faster than the bare view (p50 ratio < 1, 8 clients)",
+            replay and replay.get("p50_ratio"),
+            lambda v: v < 1.0,
+            "x",
+        )
+    )
+    replay32 = http.get(("app-replay", 32))
+    out.append(
+        _target(
+            "a replay is faster than the bare view (p50 ratio < 1, 32 clients)",
+            replay32 and replay32.get("p50_ratio"),
+            lambda v: v < 1.0,
+            "x",
+        )
+    )
+    app_race = next((r for r in results.get("race", []) if r["variant"] == "app"), None)
+    out.append(
+        _target(
+            "zero double effects under 16 concurrent duplicates (effects == 1)",
+            app_race and app_race["effects"],
+            lambda v: v == 1,
+            " effect(s)",
+        )
+    )
+    for label, row in (("first execution", first), ("replay", replay)):
+        out.append(
+            _target(
+                f"statements added on a {label} <= 2 (issue 3)",
+                row and row.get("statements_added"),
+                lambda v: v <= 2,
+                "",
+            )
+        )
+    consumer_rows = {r["row"]: r for r in results.get("consumer", {}).get("rows", [])}
+    dup = consumer_rows.get("duplicate (try_reserve)", {})
+    out.append(
+        _target("a duplicate event costs one statement", dup.get("statements"), lambda v: v == 1)
+    )
+    alone = consumer_rows.get("effect alone", {}).get("statements")
+    new = consumer_rows.get("try_reserve + effect", {}).get("statements")
+    out.append(
+        _target(
+            "a new event costs at most one statement more than the effect alone",
+            None if alone is None or new is None else new - alone,
+            lambda v: v <= 1,
+            " more",
+        )
+    )
+    return out
+
+
+def _target(name: str, value: Any, ok: Callable[[Any], bool], unit: str = "") -> dict[str, Any]:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return {"target": name, "value": None, "met": None, "text": "not measured"}
+    return {"target": name, "value": value, "met": bool(ok(value)), "text": f"{value}{unit}"}
+
+
+# -- tables ------------------------------------------------------------------------------------
+
+
+def tables(results: dict[str, Any]) -> str:
+    lines: list[str] = []
+    if results.get("http"):
+        lines += [
+            "### HTTP (gunicorn, PostgreSQL)",
+            "",
+            "| row | clients | req/s | p50 ms | p99 ms | p50 vs base | req/s vs base | SQL/req |"
+            " commits/req | served | statuses |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        for r in results["http"]:
+            base = f" ({r['baseline']})" if r.get("p50_ratio") else ""
+            lines.append(
+                f"| {r['label']} | {r['clients']} | {r['rps']:.0f} | {r['p50_ms']:.2f} |"
+                f" {r['p99_ms']:.2f} | {_ratio(r.get('p50_ratio'))}{base} |"
+                f" {_ratio(r.get('rps_ratio'))} | {_na(r.get('statements'))} |"
+                f" {_na(r.get('commits'))} | {r['ok_share']:.0%} |"
+                f" {_statuses(r['statuses'], r.get('errors'))} |"
+            )
+        lines.append("")
+    if results.get("race"):
+        lines += [
+            "### 16 concurrent duplicates (one key, a view that sleeps 200 ms)",
+            "",
+            "| library | effects | statuses of the 16 | late retry |",
+            "|---|---:|---|---|",
+        ]
+        for r in results["race"]:
+            late = f"{r['late_retry_status']} {r['late_retry_replayed']}".strip()
+            lines.append(
+                f"| {r['library']} | {r['effects']} | {_statuses(r['statuses'], None)} |"
+                f" {late}, effects then {r['effects_after_late_retry']} |"
+            )
+        lines.append("")
+    consumer = results.get("consumer", {})
+    if consumer.get("rows"):
+        lines += [
+            f"### Consumer (one process, {consumer['events_per_round']} events per row per round,"
+            " one transaction per event)",
+            "",
+            "| row | events/s | p50 ms | p99 ms | SQL/event | commits/event |"
+            " events/s vs effect alone |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in consumer["rows"]:
+            if "events_per_s" not in r:
+                lines.append(f"| {r['row']} | error: {r.get('error', '?')} | | | | | |")
+                continue
+            lines.append(
+                f"| {r['row']} | {r['events_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |"
+                f" {r['statements']} | {r['commits']} |"
+                f" {_ratio(r.get('ratio_to_effect_alone'))} |"
+            )
+        lines.append("")
+    purge = results.get("purge")
+    if purge:
+        lines += ["### Purge (bench/purge.py)", ""]
+        lines += [f"- {k}: {v}" for k, v in _flatten(purge)]
+        lines.append("")
+    if results.get("targets"):
+        lines += ["### Targets (issue 7)", "", "| target | measured | met |", "|---|---|---|"]
+        for t in results["targets"]:
+            met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+            lines.append(f"| {t['target']} | {t['text']} | {met} |")
+        lines.append("")
+    if results.get("problems"):
+        lines += ["### Problems", ""] + [f"- {p}" for p in results["problems"]] + [""]
+    return "\n".join(lines)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            items += _flatten(value, f"{prefix}{key}.")
+        elif isinstance(value, list) and len(value) > 8:
+            items.append((f"{prefix}{key}", f"[{len(value)} values]"))
+        else:
+            items.append((f"{prefix}{key}", value))
+    return items
+
+
+def _ratio(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"{value:.2f}x"
+
+
+def _na(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def _statuses(statuses: dict[str, int], errors: dict[str, int] | None) -> str:
+    text = ", ".join(f"{k}: {v}" for k, v in statuses.items())
+    if errors:
+        text += "; errors " + ", ".join(f"{k}: {v}" for k, v in errors.items())
+    return text
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/bench.sh", description=__doc__)
+    parser.add_argument("--only", default=",".join(SECTIONS), help="sections: %(default)s")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="servers: %(default)s")
+    parser.add_argument("--clients", default="8,32", help="concurrent clients: %(default)s")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per row")
+    parser.add_argument("--seconds", type=float, default=4.0, help="seconds per row per round")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per row")
+    parser.add_argument("--max-requests", type=int, default=50_000, help="per row per round")
+    parser.add_argument("--duplicates", type=int, default=16, help="concurrent duplicates")
+    parser.add_argument("--events", type=int, default=1000, help="consumer events per round")
+    parser.add_argument("--quick", action="store_true", help="tiny run to check it works")
+    parser.add_argument("--output", default=str(RESULTS / "results.json"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.warmup, args.events = 1, 1.0, 0.3, 50
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    sections = [s for s in args.only.split(",") if s]
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = (set(sections) - set(SECTIONS)) | (set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"unknown section or variant: {sorted(unknown)}")
+    clients = [int(c) for c in args.clients.split(",")]
+    started = time.monotonic()
+    problems: list[str] = []
+    results: dict[str, Any] = {
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "config": {
+            "sections": sections,
+            "variants": variants,
+            "clients": clients,
+            "rounds": args.rounds,
+            "seconds_per_row_per_round": args.seconds,
+            "max_requests_per_row_per_round": args.max_requests,
+            "http_server": f"gunicorn --workers {HTTP_WORKERS} --worker-class sync",
+            "race_server": f"gunicorn --workers {RACE_WORKERS} --threads {RACE_THREADS}"
+            " --worker-class gthread",
+            "duplicates": args.duplicates,
+            "consumer_events_per_round": args.events,
+        },
+        "problems": problems,
+    }
+    log(f"== machine: {json.dumps(results['machine'])}")
+
+    needs_servers = {"http", "race"} & set(sections)
+    db_variants = variants if needs_servers else (["app"] if "consumer" in sections else [])
+    log("== databases: " + ", ".join(database_for(v) for v in db_variants))
+
+    def setup(variant: str) -> str | None:
+        try:
+            recreate_database(database_for(variant))
+            prepare(variant, database_for(variant))
+        except Exception as exc:  # noqa: BLE001 - reported and the variant is left out
+            return f"{variant}: {exc}"
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        for failure in pool.map(setup, db_variants):
+            if failure:
+                problems.append(f"setting up {failure}")
+                log(f"!! setting up {failure}")
+    variants = [v for v in variants if not any(p.startswith(f"setting up {v}:") for p in problems)]
+    if {"dik", "drfir"} & set(variants):
+        flush_redis()
+
+    if "http" in sections:
+        log(f"== HTTP: {len(clients)} client levels x {args.rounds} rounds x {args.seconds}s")
+        servers = start_servers(variants, problems, workers=HTTP_WORKERS, threads=1, tag="http")
+        try:
+            rows = [row for row in ROWS if row.server in servers]
+            results["http"] = run_http(
+                servers,
+                rows,
+                clients=clients,
+                rounds=args.rounds,
+                seconds=args.seconds,
+                warmup=args.warmup,
+                max_requests=args.max_requests,
+                log=log,
+            )
+        finally:
+            for server in servers.values():
+                server.stop()
+    if "race" in sections:
+        log(f"== {args.duplicates} concurrent duplicates")
+        servers = start_servers(
+            variants, problems, workers=RACE_WORKERS, threads=RACE_THREADS, tag="race"
+        )
+        try:
+            results["race"] = run_race(servers, duplicates=args.duplicates, log=log)
+        finally:
+            for server in servers.values():
+                server.stop()
+    if "consumer" in sections:
+        log("== consumer")
+        results["consumer"] = run_consumer(args.events, args.rounds, problems)
+    if "purge" in sections:
+        log("== purge (bench/purge.py)")
+        results["purge"] = run_purge(args.quick, problems)
+
+    results["targets"] = targets(results)
+    results["seconds"] = round(time.monotonic() - started, 1)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    text = tables(results)
+    output.with_suffix(".md").write_text(text + "\n")
+    print()
+    print(text)
+    log(f"== wrote {output} and {output.with_suffix('.md')} in {results['seconds']}s")
+    return 1 if problems else 0

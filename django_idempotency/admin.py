@@ -1,0 +1,626 @@
+"""Read-only admin pages for idempotency records, processed events and event deliveries.
+
+These tables are logs: they can hold millions of rows, and nobody should edit them by hand. Every
+page is therefore read-only (rows can be deleted), and each list page stays cheap on a large table:
+
+* the total is never counted twice (``show_full_result_count = False``), and the page count comes
+  from :class:`EstimatedCountPaginator`, which counts at most :data:`EXACT_COUNT_LIMIT` rows;
+* the default ordering, and every sortable column, is backed by an index;
+* the filter choices for free-text columns (path, consumer, topic) come from a bounded sample of
+  the newest rows, never from a ``DISTINCT`` over the whole table;
+* search is an exact match, never a ``LIKE '%...%'`` scan;
+* the list never loads stored response bodies, and there are no related-object queries (N+1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from django.contrib import admin, messages
+from django.contrib.admin.views.main import ChangeList
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.db import connections
+from django.db.models import Model, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
+from django.template.loader import render_to_string
+from django.urls import URLPattern, path, reverse
+from django.utils import timezone
+from django.utils.functional import cached_property
+from django.utils.http import parse_header_parameters
+from django.utils.safestring import SafeString
+from django.utils.text import Truncator
+from django.utils.translation import gettext_lazy as _
+from django.utils.translation import ngettext
+from django.views.decorators.http import require_POST
+
+from django_idempotency.managers import PurgeResult
+from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+
+if TYPE_CHECKING:
+    _ModelAdmin = admin.ModelAdmin[Any]
+    _Paginator = Paginator[Any]
+else:  # generic only in django-stubs
+    _ModelAdmin = admin.ModelAdmin
+    _Paginator = Paginator
+
+EXACT_COUNT_LIMIT = 10_000
+"""Above this many matching rows a list page shows an estimated total instead of counting."""
+
+RECENT_SAMPLE = 5_000
+"""How many of the newest rows the path, consumer and topic filters draw their choices from."""
+
+MAX_FILTER_CHOICES = 30
+"""The most choices a sampled filter lists."""
+
+PREVIEW_CHARS = 20_000
+"""The longest text or JSON body the detail page shows before truncating."""
+
+BINARY_PREVIEW_BYTES = 512
+"""How many bytes of a binary body the detail page shows as a hex dump."""
+
+ADMIN_PURGE_SECONDS = 10
+"""The purge button stops after this many seconds, between batches; the scheduled purge goes on."""
+
+DELETE_LIST_LIMIT = 100
+"""The most rows the delete confirmation page names one by one."""
+
+
+# --- Rendering a stored response --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BodyPreview:
+    """A readable, bounded view of a stored response body."""
+
+    kind: str
+    """``"none"``, ``"empty"``, ``"json"``, ``"text"`` or ``"binary"``."""
+    text: str
+    """What to show, already truncated; plain text, to be HTML-escaped by the template."""
+    size: int
+    """The body's length in bytes."""
+    truncated: bool
+    """True when :attr:`text` is only the start of the body."""
+
+
+def _hexdump(data: bytes) -> str:
+    lines = []
+    for offset in range(0, len(data), 16):
+        chunk = data[offset : offset + 16]
+        hex_part = " ".join(f"{byte:02x}" for byte in chunk)
+        text_part = "".join(chr(byte) if 32 <= byte < 127 else "." for byte in chunk)
+        lines.append(f"{offset:08x}  {hex_part:<47}  {text_part}")
+    return "\n".join(lines)
+
+
+def _charset(content_type: str) -> str:
+    charset = parse_header_parameters(content_type)[1].get("charset", "utf-8") or "utf-8"
+    try:
+        "".encode(charset)
+    except LookupError:
+        return "utf-8"
+    return charset
+
+
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _is_printable(text: str) -> bool:
+    return _CONTROL_CHARACTERS.search(text) is None
+
+
+def _truncate(text: str) -> tuple[str, bool]:
+    if len(text) <= PREVIEW_CHARS:
+        return text, False
+    return text[:PREVIEW_CHARS], True
+
+
+def preview_body(body: bytes | memoryview | None, content_type: str = "") -> BodyPreview:
+    """Describe a stored body for a human: JSON pretty-printed, text as is, binary as a hex dump.
+
+    Long bodies are cut to :data:`PREVIEW_CHARS` characters (:data:`BINARY_PREVIEW_BYTES` bytes
+    for binary data), and the preview says so. The result is plain text; the template escapes it.
+    """
+    if body is None:
+        return BodyPreview("none", "", 0, False)
+    data = bytes(body)
+    if not data:
+        return BodyPreview("empty", "", 0, False)
+    media_type = parse_header_parameters(content_type)[0] if content_type else ""
+    try:
+        text = data.decode(_charset(content_type))
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and _is_printable(text):
+        stripped = text.lstrip()
+        if "json" in media_type or stripped[:1] in ("{", "["):
+            try:
+                parsed = json.loads(text)
+            except ValueError:
+                pass
+            else:
+                pretty, truncated = _truncate(json.dumps(parsed, indent=2, ensure_ascii=False))
+                return BodyPreview("json", pretty, len(data), truncated)
+        shown, truncated = _truncate(text)
+        return BodyPreview("text", shown, len(data), truncated)
+    return BodyPreview(
+        "binary",
+        _hexdump(data[:BINARY_PREVIEW_BYTES]),
+        len(data),
+        len(data) > BINARY_PREVIEW_BYTES,
+    )
+
+
+def header_pairs(headers: object) -> list[tuple[str, str]]:
+    """Stored response headers as (name, value) pairs, whether stored as a dict or a list."""
+    if isinstance(headers, dict):
+        return [(str(name), str(value)) for name, value in headers.items()]
+    if isinstance(headers, list):
+        return [
+            (str(item[0]), str(item[1]))
+            for item in headers
+            if isinstance(item, (list, tuple)) and len(item) == 2
+        ]
+    return []
+
+
+def _content_type(headers: object) -> str:
+    for name, value in header_pairs(headers):
+        if name.lower() == "content-type":
+            return value
+    return ""
+
+
+# --- Fast list pages --------------------------------------------------------------------------
+
+
+class EstimatedCountPaginator(_Paginator):
+    """A paginator that never counts more than :data:`EXACT_COUNT_LIMIT` rows.
+
+    Up to the limit the count is exact. Beyond it, PostgreSQL and MySQL/MariaDB give the
+    planner's row estimate for the same query (what ``EXPLAIN`` prints), and SQLite, whose
+    ``COUNT(*)`` is cheap, counts. The admin then says, for example, "1004312 idempotency records"
+    where the real figure may differ by a few percent, and the page links stay usable.
+    """
+
+    @cached_property
+    def count(self) -> int:
+        queryset = self.object_list
+        if not isinstance(queryset, QuerySet):
+            return len(queryset)
+        capped = queryset.order_by()[: EXACT_COUNT_LIMIT + 1].count()
+        if capped <= EXACT_COUNT_LIMIT:
+            return capped
+        estimate = _planner_estimate(queryset)
+        if estimate is None:
+            return queryset.count()
+        return max(estimate, capped)
+
+
+def _planner_estimate(queryset: QuerySet[Any]) -> int | None:
+    connection = connections[queryset.db]
+    sql, params = queryset.order_by().values("pk").query.sql_with_params()
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+            plan = cursor.fetchone()[0]
+            if isinstance(plan, str):
+                plan = json.loads(plan)
+            return int(plan[0]["Plan"]["Plan Rows"])
+        if connection.vendor == "mysql":
+            cursor.execute(f"EXPLAIN {sql}", params)
+            columns = [column[0] for column in cursor.description]
+            row = cursor.fetchone()
+            if row is None or "rows" not in columns:
+                return None
+            rows = row[columns.index("rows")]
+            return int(rows) if rows is not None else None
+    return None
+
+
+class RecentValuesFilter(admin.SimpleListFilter):
+    """Filter choices drawn from the newest :data:`RECENT_SAMPLE` rows, not the whole table.
+
+    A ``DISTINCT`` over a free-text column of a million rows is a full scan on every page view;
+    a sample of the newest rows, read through the index on :attr:`newest_by`, is not. A value
+    missing from the sample can still be filtered on through the query string
+    (``?path=/api/orders/``).
+    """
+
+    field: ClassVar[str]
+    newest_by: ClassVar[str]
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        sample = model_admin.model._default_manager.order_by(f"-{self.newest_by}").values_list(
+            self.field, flat=True
+        )[:RECENT_SAMPLE]
+        values = sorted({value for value in sample if value})[:MAX_FILTER_CHOICES]
+        current = self.value()
+        if current and current not in values:
+            values.append(current)
+        return [(value, value) for value in values]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        return queryset.filter(**{self.field: value}) if value else queryset
+
+
+def recent_values_filter(field: str, newest_by: str, title: str) -> type[RecentValuesFilter]:
+    """A :class:`RecentValuesFilter` for ``field``, sampled by the indexed ``newest_by``."""
+    return type(
+        f"Recent{field.title().replace('_', '')}Filter",
+        (RecentValuesFilter,),
+        {"field": field, "newest_by": newest_by, "title": title, "parameter_name": field},
+    )
+
+
+class ExpiredFilter(admin.SimpleListFilter):
+    """Rows the purge may delete now (past ``expires_at``), or still live."""
+
+    title = _("expired")
+    parameter_name = "expired"
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        return [("yes", str(_("Expired"))), ("no", str(_("Live")))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        # The purge's own definition: by the database clock, live leases are not expired.
+        if self.value() == "yes":
+            return queryset.filter(queryset.expired_condition())  # type: ignore[attr-defined]
+        if self.value() == "no":
+            return queryset.exclude(queryset.expired_condition())  # type: ignore[attr-defined]
+        return queryset
+
+
+class StatusClassFilter(admin.SimpleListFilter):
+    """The stored response's status class: 2xx, 3xx, 4xx, 5xx, or none stored yet."""
+
+    title = _("status class")
+    parameter_name = "status_class"
+    CLASSES: ClassVar[dict[str, tuple[int, int]]] = {
+        "2xx": (200, 300),
+        "3xx": (300, 400),
+        "4xx": (400, 500),
+        "5xx": (500, 600),
+    }
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        return [(name, name) for name in self.CLASSES] + [("none", str(_("No response yet")))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value == "none":
+            return queryset.filter(response_status__isnull=True)
+        if value in self.CLASSES:
+            low, high = self.CLASSES[value]
+            return queryset.filter(response_status__gte=low, response_status__lt=high)
+        return queryset
+
+
+class ParkedFilter(admin.SimpleListFilter):
+    """Poison messages that were parked after too many deliveries, or not."""
+
+    title = _("parked")
+    parameter_name = "parked"
+
+    def lookups(
+        self, request: HttpRequest, model_admin: admin.ModelAdmin[Any]
+    ) -> list[tuple[str, str]]:
+        return [("yes", str(_("Parked"))), ("no", str(_("Not parked")))]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "yes":
+            return queryset.filter(parked_at__isnull=False)
+        if self.value() == "no":
+            return queryset.filter(parked_at__isnull=True)
+        return queryset
+
+
+class _ListWithoutBodies(ChangeList):
+    """The record list never loads stored bodies or headers (up to MAX_RESPONSE_BYTES each)."""
+
+    def get_queryset(
+        self, request: HttpRequest, exclude_parameters: list[str | None] | None = None
+    ) -> QuerySet[Any]:
+        return (
+            super()
+            .get_queryset(request, exclude_parameters)
+            .defer("response_body", "response_headers", "fingerprint", "token")
+        )
+
+
+class ReadOnlyLogAdmin(_ModelAdmin):
+    """Shared behaviour: read-only rows, deletable, cheap on large tables."""
+
+    paginator = EstimatedCountPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    list_per_page = 100
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Model | None = None) -> list[str]:
+        names = [field.name for field in self.model._meta.concrete_fields]
+        return names + [name for name in self.readonly_fields if name not in names]
+
+    def get_search_results(
+        self, request: HttpRequest, queryset: QuerySet[Any], search_term: str
+    ) -> tuple[QuerySet[Any], bool]:
+        """Match the whole term exactly (case-sensitive, so an index can serve it), never LIKE."""
+        term = search_term.strip()
+        fields = self.get_search_fields(request)
+        if not term or not fields:
+            return queryset, False
+        condition = Q()
+        for name in fields:
+            condition |= Q(**{name: term})
+        return queryset.filter(condition), False
+
+    def get_deleted_objects(
+        self, objs: Sequence[Any] | QuerySet[Any], request: HttpRequest
+    ) -> tuple[list[str], dict[str, int], set[str], list[str]]:
+        """Name at most :data:`DELETE_LIST_LIMIT` rows on the confirmation page.
+
+        Django's default lists every row (and walks relations, which these tables have none
+        of); for "select all 1,000,000" that page would never render.
+        """
+        opts = self.model._meta
+        if isinstance(objs, QuerySet):
+            total = objs.count()
+            named = [str(obj) for obj in objs[:DELETE_LIST_LIMIT]]
+        else:
+            total = len(objs)
+            named = [str(obj) for obj in objs[:DELETE_LIST_LIMIT]]
+        if total > len(named):
+            named.append(str(_("… and %(count)d more") % {"count": total - len(named)}))
+        perms_needed = set() if self.has_delete_permission(request) else {str(opts.verbose_name)}
+        return named, {str(opts.verbose_name_plural): total}, perms_needed, []
+
+    @admin.display(boolean=True, description=_("expired"), ordering="expires_at")
+    def expired(self, obj: Any) -> bool:
+        return bool(obj.expires_at <= timezone.now())
+
+
+# --- Purging expired rows ---------------------------------------------------------------------
+
+
+class PurgeExpiredMixin(ReadOnlyLogAdmin):
+    """A "purge expired records now" action, and the same as a button above the list."""
+
+    change_list_template = "django_idempotency/admin/change_list.html"
+    actions = ["purge_expired"]
+
+    @admin.action(
+        description=_("Purge all expired rows now (not only the selected ones)"),
+        permissions=["delete"],
+    )
+    def purge_expired(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        self._purge_and_report(request)
+
+    def _purge_and_report(self, request: HttpRequest) -> None:
+        """Run the manager's batched ``delete_expired`` for at most ADMIN_PURGE_SECONDS."""
+        if not self.has_delete_permission(request):
+            raise PermissionDenied
+        result: PurgeResult = self.model._default_manager.delete_expired(
+            max_seconds=ADMIN_PURGE_SECONDS
+        )
+        opts = self.model._meta
+        names = {"name": opts.verbose_name, "plural": opts.verbose_name_plural}
+        self.message_user(
+            request,
+            ngettext(
+                "Purged %(count)d expired %(name)s.",
+                "Purged %(count)d expired %(plural)s.",
+                result.deleted,
+            )
+            % {"count": result.deleted, **names},
+            messages.SUCCESS,
+        )
+        if not result.finished:
+            self.message_user(
+                request,
+                _(
+                    "More expired %(plural)s remain: the purge stops after %(seconds)d seconds "
+                    "in the admin. Run it again, or let the scheduled purge finish."
+                )
+                % {"seconds": ADMIN_PURGE_SECONDS, **names},
+                messages.WARNING,
+            )
+
+    def get_urls(self) -> list[URLPattern]:
+        opts = self.model._meta
+        purge = path(
+            "purge-expired/",
+            self.admin_site.admin_view(require_POST(self.purge_expired_view)),
+            name=f"{opts.app_label}_{opts.model_name}_purge_expired",
+        )
+        return [purge, *super().get_urls()]
+
+    def purge_expired_view(self, request: HttpRequest) -> HttpResponse:
+        self._purge_and_report(request)
+        opts = self.model._meta
+        return HttpResponseRedirect(
+            reverse(
+                f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_changelist",
+            )
+        )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        opts = self.model._meta
+        context = {
+            "purge_expired_url": reverse(
+                f"{self.admin_site.name}:{opts.app_label}_{opts.model_name}_purge_expired"
+            )
+            if self.has_delete_permission(request)
+            else None,
+            **(extra_context or {}),
+        }
+        return super().changelist_view(request, context)
+
+
+# --- The three admins -------------------------------------------------------------------------
+
+
+@admin.register(IdempotencyRecord)
+class IdempotencyRecordAdmin(PurgeExpiredMixin):
+    list_display = (
+        "key",
+        "owner",
+        "request_line",
+        "state",
+        "response_status",
+        "created_at",
+        "expires_at",
+        "expired",
+    )
+    list_filter = (
+        "state",
+        StatusClassFilter,
+        ExpiredFilter,
+        recent_values_filter("path", "created_at", str(_("path (recent)"))),
+    )
+    # Each sortable column has an index: idem_record_created_idx, idem_record_expires_idx.
+    sortable_by = ("created_at", "expires_at", "expired")
+    ordering = ("-created_at",)
+    date_hierarchy = "created_at"
+    search_fields = ("key", "owner")
+    search_help_text = _("An exact idempotency key or owner scope.")
+    readonly_fields = ("request_line", "expired", "stored_headers", "stored_body")
+    fieldsets = (
+        (_("Request"), {"fields": ("owner", "key", "request_line", "fingerprint")}),
+        (
+            _("State"),
+            {
+                "fields": (
+                    "state",
+                    "token",
+                    "locked_until",
+                    "created_at",
+                    "completed_at",
+                    "expires_at",
+                    "expired",
+                )
+            },
+        ),
+        (
+            _("Stored response"),
+            {"fields": ("response_status", "stored_headers", "stored_body")},
+        ),
+    )
+
+    def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
+        return _ListWithoutBodies
+
+    @admin.display(description=_("request"), ordering=None)
+    def request_line(self, obj: IdempotencyRecord) -> str:
+        return f"{obj.method} {Truncator(obj.path).chars(80)}"
+
+    @admin.display(description=_("response headers"))
+    def stored_headers(self, obj: IdempotencyRecord) -> SafeString:
+        return render_to_string(
+            "django_idempotency/admin/stored_headers.html",
+            {"headers": header_pairs(obj.response_headers)},
+        )
+
+    @admin.display(description=_("response body"))
+    def stored_body(self, obj: IdempotencyRecord) -> SafeString:
+        preview = preview_body(obj.response_body, _content_type(obj.response_headers))
+        return render_to_string(
+            "django_idempotency/admin/stored_body.html",
+            {
+                "preview": preview,
+                "preview_chars": PREVIEW_CHARS,
+                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
+            },
+        )
+
+
+@admin.register(ProcessedEvent)
+class ProcessedEventAdmin(PurgeExpiredMixin):
+    list_display = ("event_id", "consumer", "topic", "processed_at", "expires_at", "expired")
+    list_filter = (
+        recent_values_filter("consumer", "processed_at", str(_("consumer (recent)"))),
+        recent_values_filter("topic", "processed_at", str(_("topic (recent)"))),
+        ExpiredFilter,
+    )
+    # Each sortable column has an index: idem_event_processed_idx, idem_event_expires_idx.
+    sortable_by = ("processed_at", "expires_at", "expired")
+    ordering = ("-processed_at",)
+    search_fields = ("event_id",)
+    search_help_text = _("An exact event id.")
+    readonly_fields = ("expired",)
+    fields = ("event_id", "consumer", "topic", "processed_at", "expires_at", "expired")
+
+
+@admin.register(EventDelivery)
+class EventDeliveryAdmin(PurgeExpiredMixin):
+    list_display = (
+        "event_id",
+        "consumer",
+        "topic",
+        "deliveries",
+        "parked",
+        "last_delivered_at",
+        "short_error",
+    )
+    list_filter = (
+        ParkedFilter,
+        recent_values_filter("consumer", "id", str(_("consumer (recent)"))),
+        ExpiredFilter,
+    )
+    # Sortable only by indexed columns: the primary key (newest first) and parked_at.
+    sortable_by = ("parked",)
+    ordering = ("-id",)
+    search_fields = ("event_id",)
+    search_help_text = _("An exact event id.")
+    readonly_fields = ("parked", "expired", "error_text")
+    fields = (
+        "event_id",
+        "consumer",
+        "topic",
+        "deliveries",
+        "parked",
+        "parked_at",
+        "first_delivered_at",
+        "last_delivered_at",
+        "expires_at",
+        "expired",
+        "error_text",
+    )
+
+    @admin.display(boolean=True, description=_("parked"), ordering="parked_at")
+    def parked(self, obj: EventDelivery) -> bool:
+        return obj.parked_at is not None
+
+    @admin.display(description=_("last error"))
+    def short_error(self, obj: EventDelivery) -> str:
+        return Truncator(obj.last_error.strip().splitlines()[-1] if obj.last_error else "").chars(
+            80
+        )
+
+    @admin.display(description=_("last error"))
+    def error_text(self, obj: EventDelivery) -> SafeString:
+        return render_to_string(
+            "django_idempotency/admin/stored_body.html",
+            {
+                "preview": preview_body(obj.last_error.encode(), "text/plain; charset=utf-8"),
+                "preview_chars": PREVIEW_CHARS,
+                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
+            },
+        )

@@ -1,0 +1,383 @@
+"""The one place that decides what happens to a request that carries an idempotency key.
+
+It knows nothing of ``HttpRequest`` or ``HttpResponse``: an adapter (the decorator and the
+middleware, through :mod:`django_idempotency.http`, or another framework) describes the request
+as a :class:`Command`, and gives :meth:`Idempotency.run` two callables, one that runs the view and
+one that turns its result into a :class:`Captured` response. The core then:
+
+1. claims ``(owner, key)`` through the unique index (:class:`~django_idempotency.store.
+   RecordStore`), which never waits on another request;
+2. for a completed record, returns a :class:`Replay` (same fingerprint) or raises
+   :class:`~django_idempotency.exceptions.KeyReused` (different one) or
+   :class:`~django_idempotency.exceptions.ResponseNotStored` (the response was not storable);
+3. for a record another request is running, raises
+   :class:`~django_idempotency.exceptions.RequestInProgress` (409, ``Retry-After``), or first
+   waits up to ``WAIT`` seconds for it to finish and replays;
+4. otherwise runs the view and stores its response.
+
+Atomic mode (the default): the claim, the view and the storing of the response run in **one**
+``transaction.atomic`` on ``IDEMPOTENCY["DATABASE"]``. If the view raises, everything rolls
+back, record included. A crash rolls back too, so a key is never stuck.
+
+Lease mode (``lease=timedelta``): for views that call other systems and should not hold a
+transaction open meanwhile. The claim commits first, ``in_progress`` with ``locked_until = now +
+lease`` and a fresh ownership token. The view runs in its own transaction, which ends by storing
+the response with a compare-and-swap on the token. After a crash the claim stays until the lease
+runs out; the next retry then takes it over with a new token. If the first holder wakes up
+later, its compare-and-swap fails: its transaction (the view's database writes included) rolls
+back and its client gets a 409, so it can never overwrite the new holder's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from asgiref.sync import sync_to_async
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.exceptions import (
+    KeyReused,
+    RequestInProgress,
+    ResponseNotStored,
+    StaleClaim,
+)
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.store import ClaimResult, Existing, RecordStore
+
+logger = logging.getLogger("django_idempotency")
+
+R = TypeVar("R")
+
+#: Key in ``response_headers`` marking a record whose response could not be stored. Header
+#: names cannot contain ``@``, so it never collides with a real header.
+NOT_REPLAYABLE = "@not-replayable"
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+_FIRST_POLL = 0.05
+_MAX_POLL = 0.5
+
+
+@dataclass(frozen=True)
+class Command:
+    """One request that carries an idempotency key, as the core sees it."""
+
+    owner: str
+    key: str
+    method: str
+    path: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the core treats a request. :meth:`from_settings` fills it from ``IDEMPOTENCY``."""
+
+    using: str = "default"
+    ttl: timedelta = timedelta(hours=24)
+    lease: timedelta | None = None
+    """None: atomic mode. A duration: lease mode."""
+    wait: float = 0.0
+    retry_after: int = 1
+    unstored_statuses: frozenset[int] = frozenset({401, 403, 408, 409, 425, 429})
+    rollback_on_server_error: bool = True
+
+    @classmethod
+    def from_settings(
+        cls, *, ttl: timedelta | None = None, atomic: bool = True, lease: timedelta | None = None
+    ) -> Policy:
+        return cls(
+            using=conf.DATABASE,
+            ttl=ttl or conf.RECORD_TTL,
+            lease=None if atomic else (lease or conf.LEASE),
+            wait=conf.WAIT,
+            retry_after=conf.RETRY_AFTER,
+            unstored_statuses=conf.UNSTORED_STATUSES,
+            rollback_on_server_error=conf.ROLLBACK_ON_SERVER_ERROR,
+        )
+
+
+@dataclass(frozen=True)
+class Captured:
+    """A view's response, described so that the core can decide whether and what to store."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    """Only the headers safe to replay."""
+    body: bytes | None = b""
+    """None when the response cannot be stored (streaming, or too large)."""
+    not_replayable_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A stored response, to send instead of running the view again."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class _Claim:
+    """A record this request owns, and the transaction the view runs in."""
+
+    record_id: int
+    token: uuid.UUID
+    atomic: Any
+
+
+class Idempotency:
+    """The core. One instance per request (it is cheap); see the module docstring.
+
+    Call :meth:`run` from synchronous code and :meth:`arun` from asynchronous code. Both return
+    the view's own result, or a :class:`Replay`, or raise a
+    :class:`~django_idempotency.exceptions.ProblemError` for the client.
+    """
+
+    def __init__(self, policy: Policy, *, request: Any = None) -> None:
+        self.policy = policy
+        self.request = request
+        self.store = RecordStore(policy.using)
+
+    # -- entry points -----------------------------------------------------------------------
+
+    def run(
+        self, command: Command, view: Callable[[], R], capture: Callable[[R], Captured]
+    ) -> R | Replay:
+        deadline = time.monotonic() + self.policy.wait
+        delay = _FIRST_POLL
+        while True:
+            step = self._begin(command, final=time.monotonic() >= deadline)
+            if step is not None:
+                break
+            time.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, _MAX_POLL)
+        if isinstance(step, Replay):
+            return step
+        try:
+            result = view()
+            captured = capture(result)
+        except BaseException:
+            self._abandon(command, step, sys.exc_info())
+            raise
+        self._finish(command, step, captured)
+        return result
+
+    async def arun(
+        self,
+        command: Command,
+        view: Callable[[], Awaitable[R]],
+        capture: Callable[[R], Captured],
+    ) -> R | Replay:
+        """Like :meth:`run`, for an ``async def`` view.
+
+        The database work runs through ``sync_to_async(thread_sensitive=True)``, so it shares
+        one thread (and so one connection and one transaction) with the view's own ORM calls.
+        """
+        begin = sync_to_async(self._begin, thread_sensitive=True)
+        deadline = time.monotonic() + self.policy.wait
+        delay = _FIRST_POLL
+        while True:
+            step = await begin(command, final=time.monotonic() >= deadline)
+            if step is not None:
+                break
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, _MAX_POLL)
+        if isinstance(step, Replay):
+            return step
+        try:
+            result = await view()
+            captured = await sync_to_async(capture, thread_sensitive=True)(result)
+        except BaseException:
+            await sync_to_async(self._abandon, thread_sensitive=True)(
+                command, step, sys.exc_info()
+            )
+            raise
+        await sync_to_async(self._finish, thread_sensitive=True)(command, step, captured)
+        return result
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _begin(self, command: Command, *, final: bool) -> _Claim | Replay | None:
+        """Claim the key. Returns a claim (the view may run), a replay, or None to wait more.
+
+        In atomic mode a returned claim holds an open ``transaction.atomic``; in lease mode the
+        claim is committed and the view's own transaction is open.
+        """
+        lease = self.policy.lease
+        connection = connections[self.policy.using]
+        if lease is not None and connection.in_atomic_block:
+            raise ImproperlyConfigured(
+                "@idempotent(atomic=False) commits its claim before the view runs, so it cannot "
+                f"run inside a transaction on database {self.policy.using!r}. With "
+                "ATOMIC_REQUESTS = True, also decorate the view with "
+                "@transaction.non_atomic_requests."
+            )
+        token = uuid.uuid4()
+        atomic = transaction.atomic(using=self.policy.using)
+        atomic.__enter__()
+        try:
+            result = self.store.claim(
+                owner=command.owner,
+                key=command.key,
+                fingerprint=command.fingerprint,
+                method=command.method,
+                path=command.path,
+                token=token,
+                ttl=self.policy.ttl,
+                lease=lease,
+            )
+        except BaseException:
+            atomic.__exit__(*sys.exc_info())
+            raise
+        if not result.claimed:
+            atomic.__exit__(None, None, None)
+            return self._refuse(command, result, final=final)
+        if result.existing is not None:
+            self._log(command, "taken_over", record=result.record_id)
+        if lease is not None:
+            atomic.__exit__(None, None, None)  # commit the claim; the view gets its own
+            atomic = transaction.atomic(using=self.policy.using)
+            atomic.__enter__()
+        return _Claim(result.record_id or 0, token, atomic)
+
+    def _refuse(self, command: Command, result: ClaimResult, *, final: bool) -> Replay | None:
+        existing = result.existing
+        if (
+            existing is not None
+            and not existing.expired
+            and existing.fingerprint != command.fingerprint
+        ):
+            self._log(command, "mismatch", record=existing.id)
+            signals.record_mismatch.send(IdempotencyRecord, **self._signal_kwargs(command))
+            raise KeyReused(
+                "This idempotency key was already used for a different request (method, path or "
+                "body). Use a new key for a new request."
+            )
+        if existing is not None and existing.completed and not existing.expired:
+            return self._replay(command, existing)
+        if not final:
+            return None
+        self._log(command, "conflict", record=existing.id if existing else None)
+        signals.record_conflict.send(IdempotencyRecord, **self._signal_kwargs(command))
+        raise RequestInProgress(
+            "A request with this idempotency key is still being processed. Retry after the "
+            "delay in the Retry-After header to get its result.",
+            retry_after=self.policy.retry_after,
+        )
+
+    def _replay(self, command: Command, existing: Existing) -> Replay:
+        headers = dict(existing.response_headers)
+        reason = headers.pop(NOT_REPLAYABLE, None)
+        if reason is not None or existing.response_body is None:
+            self._log(command, "not_replayable", record=existing.id)
+            raise ResponseNotStored(
+                "The request with this idempotency key was already processed, but its response "
+                f"was not stored ({reason or 'no body'}), so it cannot be replayed. Do not "
+                "retry it; look the result up instead.",
+                original_status=existing.response_status,
+            )
+        self._log(command, "replayed", record=existing.id)
+        signals.record_replayed.send(IdempotencyRecord, **self._signal_kwargs(command))
+        return Replay(
+            status=existing.response_status or 200,
+            headers={**headers, REPLAYED_HEADER: "true"},
+            body=existing.response_body,
+        )
+
+    def _finish(self, command: Command, claim: _Claim, captured: Captured) -> None:
+        """Store or drop the response, then end the view's transaction."""
+        policy = self.policy
+        release_after = False
+        try:
+            if captured.status >= 500:
+                outcome = "rolled_back" if policy.rollback_on_server_error else "released"
+                if policy.rollback_on_server_error:
+                    transaction.set_rollback(True, using=policy.using)
+                    release_after = policy.lease is not None
+                else:
+                    self.store.release(claim.record_id, claim.token)
+            elif captured.status in policy.unstored_statuses:
+                outcome = "released"
+                self.store.release(claim.record_id, claim.token)
+            else:
+                outcome = "stored" if captured.body is not None else "stored_not_replayable"
+                headers = dict(captured.headers)
+                if captured.body is None:
+                    headers[NOT_REPLAYABLE] = captured.not_replayable_reason or "not stored"
+                self.store.complete(
+                    claim.record_id,
+                    claim.token,
+                    status=captured.status,
+                    headers=headers,
+                    body=captured.body,
+                )
+        except StaleClaim:
+            transaction.set_rollback(True, using=policy.using)
+            claim.atomic.__exit__(None, None, None)
+            self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
+            raise RequestInProgress(
+                "This request's lease ran out and a retry took it over; its changes were rolled "
+                "back. Retry after the delay in the Retry-After header to get the result.",
+                retry_after=policy.retry_after,
+            ) from None
+        except BaseException:
+            claim.atomic.__exit__(*sys.exc_info())
+            raise
+        claim.atomic.__exit__(None, None, None)
+        if release_after:
+            self._release_quietly(command, claim)
+        self._log(command, outcome, record=claim.record_id, status=captured.status)
+        if outcome.startswith("stored"):
+            signals.record_stored.send(IdempotencyRecord, **self._signal_kwargs(command))
+
+    def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
+        """The view (or capturing its response) raised: roll back, and free a lease claim."""
+        claim.atomic.__exit__(*exc_info)
+        if self.policy.lease is not None:
+            self._release_quietly(command, claim)
+        self._log(command, "raised", record=claim.record_id, level=logging.WARNING)
+
+    def _release_quietly(self, command: Command, claim: _Claim) -> None:
+        """Release a lease-mode claim in its own transaction; a lost claim is only logged."""
+        try:
+            with transaction.atomic(using=self.policy.using):
+                self.store.release(claim.record_id, claim.token)
+        except StaleClaim:
+            self._log(command, "stale", record=claim.record_id, level=logging.WARNING)
+
+    # -- reporting ----------------------------------------------------------------------------
+
+    def _signal_kwargs(self, command: Command) -> dict[str, Any]:
+        return {"key": command.key, "owner": command.owner, "request": self.request}
+
+    def _log(
+        self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
+    ) -> None:
+        details = " ".join(f"{name}={value}" for name, value in extra.items() if value is not None)
+        logger.log(
+            level,
+            "idempotency %s key=%s owner=%s method=%s path=%s %s",
+            outcome,
+            command.key,
+            command.owner,
+            command.method,
+            command.path,
+            details,
+            extra={
+                "idempotency_outcome": outcome,
+                "idempotency_key": command.key,
+                "idempotency_owner": command.owner,
+            },
+        )

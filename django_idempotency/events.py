@@ -1,0 +1,657 @@
+"""Idempotent message consumers: an event's effect applies once per consumer.
+
+Brokers deliver at least once. A consumer makes that *effectively once* by writing a
+:class:`~django_idempotency.models.ProcessedEvent` row for ``(consumer, event_id)`` **in the same
+transaction** as the event's business effect. The unique constraint on that pair does the rest:
+the first transaction to insert the row applies the effect; every later delivery finds the row and
+skips the body; a delivery whose transaction rolls back leaves no row behind, so the next delivery
+runs again.
+
+This module is the one core that decides. It offers:
+
+* :func:`try_reserve`, the primitive: one insert that does nothing on conflict, inside the
+  caller's ``transaction.atomic``;
+* :func:`process_event`, which counts the delivery, opens the transaction, reserves the event and
+  runs a body only the first time. :func:`idempotent_consumer` (for plain loops) and
+  :class:`django_idempotency.celery.IdempotentConsumer` are thin adapters over it;
+* :func:`new_event_id`, a time-ordered UUIDv7 for producers.
+
+Poison messages
+---------------
+A message that kills its worker (a segfault, the OOM killer, ``SIGKILL``) never reaches the end of
+its transaction, so nothing in the business transaction can remember that it was tried. Each
+delivery is therefore counted in an :class:`~django_idempotency.models.EventDelivery` row that is
+committed **apart** from the business transaction: :func:`count_delivery` runs in its own
+``transaction.atomic`` *before* the business transaction opens, and commits at once. (Two
+transactions cannot be nested on one connection and still commit separately, so the count has to
+come first.) When an event has been delivered more than ``MAX_DELIVERIES`` times without being
+processed, it is parked: ``parked_at`` is set, :class:`~django_idempotency.exceptions.EventParked`
+is raised, and the adapter rejects the message without requeueing it.
+
+When the consumer is itself called inside an outer ``transaction.atomic`` on the same database
+(eager Celery tasks inside a request or a test, a loop that batches messages in one transaction),
+the count joins that outer transaction and is only as durable as it is. A worker calls its tasks
+outside any transaction, so there the count always commits on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, NamedTuple, NoReturn, ParamSpec, TypeVar
+
+from django.db import IntegrityError, NotSupportedError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Field, Model
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+
+from django_idempotency import signals
+from django_idempotency.conf import conf
+from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.models import EventDelivery, ProcessedEvent
+
+__all__ = [
+    "EventId",
+    "Processed",
+    "count_delivery",
+    "find_event_id",
+    "idempotent_consumer",
+    "new_event_id",
+    "normalize_event_id",
+    "process_event",
+    "try_reserve",
+]
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+EventId = str | uuid.UUID
+"""An event id: a string, or a :class:`uuid.UUID` (stored as ``str(uuid)``)."""
+
+EVENT_ID_KEY = "event_id"
+"""The keyword argument, header and mapping key that carry an event id by default."""
+
+MAX_ID_LENGTH = 255
+"""The longest event id, consumer name or topic: the width of their columns."""
+
+ER_DUP_ENTRY = 1062
+"""MySQL/MariaDB error number of a duplicate key, and the only one that means "already there"."""
+
+
+# --- Validation ---------------------------------------------------------------------------------
+
+
+def _checked_name(what: str, value: object, *, allow_empty: bool = False) -> str:
+    if isinstance(value, uuid.UUID):
+        value = str(value)
+    if not isinstance(value, str):
+        raise TypeError(f"The {what} must be a str or a uuid.UUID, not {type(value).__name__}.")
+    if not allow_empty and not value.strip():
+        raise ValueError(f"The {what} is empty.")
+    if len(value) > MAX_ID_LENGTH:
+        raise ValueError(
+            f"The {what} is {len(value)} characters long; the most is {MAX_ID_LENGTH}: "
+            f"{value[:40]!r}..."
+        )
+    if "\x00" in value:
+        raise ValueError(f"The {what} contains a NUL character: {value!r}.")
+    return value
+
+
+def normalize_event_id(event_id: object) -> str:
+    """Return the stored form of an event id, or raise :exc:`ValueError` or :exc:`TypeError`.
+
+    A :class:`uuid.UUID` becomes its canonical ``str`` (lowercase, hyphenated), so the object and
+    ``str(object)`` are the same id. A string is kept exactly as given. An empty or blank id, or
+    one longer than 255 characters, raises :exc:`ValueError`.
+    """
+    return _checked_name("event id", event_id)
+
+
+def _checked_topic(topic: object) -> str:
+    return "" if topic is None else _checked_name("topic", topic, allow_empty=True)
+
+
+def _ttl(ttl: timedelta | float | None) -> timedelta:
+    if ttl is None:
+        return conf.EVENT_TTL
+    if isinstance(ttl, bool) or not isinstance(ttl, (timedelta, int, float)):
+        raise TypeError(f"ttl must be a timedelta or a number of seconds, not {ttl!r}.")
+    duration = ttl if isinstance(ttl, timedelta) else timedelta(seconds=ttl)
+    if duration <= timedelta(0):
+        raise ValueError(f"ttl must be longer than zero, not {duration}.")
+    return duration
+
+
+def _alias(using: str | None) -> str:
+    return using if using is not None else conf.DATABASE
+
+
+# --- The reservation ----------------------------------------------------------------------------
+
+
+def try_reserve(
+    event_id: EventId,
+    consumer: str,
+    *,
+    topic: str | None = None,
+    ttl: timedelta | float | None = None,
+    using: str | None = None,
+) -> bool:
+    """Reserve ``event_id`` for ``consumer`` in the current transaction.
+
+    Returns True if this call inserted the :class:`~django_idempotency.models.ProcessedEvent` row,
+    so the caller should apply the event's effect, and False if the row was already there, so the
+    event was processed before and the caller should skip it.
+
+    It must run inside ``transaction.atomic(using=...)`` on the database that holds the business
+    data, together with the effect: the row commits or rolls back with it. When two transactions
+    race on one id, the second waits for the first to finish, then returns False if the first
+    committed and True if it rolled back.
+
+    Retryable errors (a lock wait timeout, a deadlock, a serialization failure) and every other
+    database error propagate; they never read as "already processed".
+
+    Args:
+        event_id: the event's id, a ``str`` or a :class:`uuid.UUID`; 1 to 255 characters.
+        consumer: the consumer's stable name; each consumer processes an event once.
+        topic: optional, informational (shown in the admin).
+        ttl: how long the row is kept (a ``timedelta`` or seconds); default ``EVENT_TTL``. It must
+            outlast the longest time a duplicate can still arrive.
+        using: the database alias; default the ``DATABASE`` setting.
+
+    Raises:
+        ValueError: the event id or consumer is empty or longer than 255 characters.
+        TransactionManagementError: called outside ``transaction.atomic`` on that database.
+    """
+    event = normalize_event_id(event_id)
+    name = _checked_name("consumer name", consumer)
+    topic_value = _checked_topic(topic)
+    duration = _ttl(ttl)
+    alias = _alias(using)
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        raise TransactionManagementError(
+            f"try_reserve() must run inside transaction.atomic(using={alias!r}), in the same "
+            "transaction as the event's effect. Outside one, the reservation would commit on "
+            "its own and a crash before the effect would lose the event."
+        )
+    now = timezone.now()
+    return _insert_new(
+        connection,
+        ProcessedEvent,
+        {
+            "consumer": name,
+            "event_id": event,
+            "topic": topic_value,
+            "processed_at": now,
+            "expires_at": now + duration,
+        },
+        unique=("consumer", "event_id"),
+    )
+
+
+def _field(model: type[Model], name: str) -> Field[Any, Any]:
+    for field in model._meta.concrete_fields:
+        if field.name == name:
+            return field
+    raise LookupError(f"{model.__name__} has no column {name!r}.")
+
+
+def _insert_sql(
+    connection: BaseDatabaseWrapper, model: type[Model], values: Mapping[str, Any]
+) -> tuple[str, list[Any]]:
+    """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters."""
+    quote = connection.ops.quote_name
+    fields = [_field(model, name) for name in values]
+    columns = ", ".join(quote(field.column) for field in fields)
+    placeholders = ", ".join(["%s"] * len(fields))
+    params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
+    return f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})", params
+
+
+def _columns(connection: BaseDatabaseWrapper, model: type[Model], names: tuple[str, ...]) -> str:
+    return ", ".join(connection.ops.quote_name(_field(model, name).column) for name in names)
+
+
+def _insert_new(
+    connection: BaseDatabaseWrapper,
+    model: type[Model],
+    values: Mapping[str, Any],
+    *,
+    unique: tuple[str, ...],
+) -> bool:
+    """Insert one row unless ``unique`` already holds; True if this call inserted it.
+
+    PostgreSQL and SQLite name the conflict target, so only that unique constraint is ignored: a
+    NOT NULL or any other error still raises (``INSERT OR IGNORE`` would hide it). On MySQL and
+    MariaDB, ``ON DUPLICATE KEY UPDATE`` cannot be counted reliably (Django sets the FOUND_ROWS
+    client flag) and ``INSERT IGNORE`` hides errors, so a plain insert runs in a savepoint and only
+    a duplicate-key error (1062) means "already there".
+    """
+    sql, params = _insert_sql(connection, model, values)
+    vendor = connection.vendor
+    if vendor in ("postgresql", "sqlite"):
+        sql += f" ON CONFLICT ({_columns(connection, model, unique)}) DO NOTHING"
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return bool(cursor.rowcount == 1)
+    if vendor == "mysql":
+        try:
+            with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
+                cursor.execute(sql, params)
+        except IntegrityError as exc:
+            if _mysql_errno(exc) == ER_DUP_ENTRY:
+                return False
+            raise
+        return True
+    raise NotSupportedError(
+        f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}."
+    )
+
+
+def _mysql_errno(exc: BaseException) -> int | None:
+    code = exc.args[0] if exc.args else None
+    return code if isinstance(code, int) else None
+
+
+# --- Counting deliveries (poison messages) ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One counted delivery of an event to a consumer."""
+
+    consumer: str
+    event_id: str
+    topic: str
+    count: int
+    """How many times the event has now been delivered to this consumer, this one included."""
+    parked: bool
+    """Whether the event was parked already, before this delivery."""
+
+
+def count_delivery(
+    event_id: EventId,
+    consumer: str,
+    *,
+    topic: str | None = None,
+    ttl: timedelta | float | None = None,
+    using: str | None = None,
+) -> Delivery:
+    """Count one delivery of an event, in a transaction of its own that commits at once.
+
+    Call it before the business transaction opens: the count must survive a process that dies
+    inside the business transaction. Inside an outer ``atomic`` block it joins that block (see the
+    module notes). One upsert (plus one ``SELECT`` on MySQL/MariaDB).
+    """
+    event = normalize_event_id(event_id)
+    name = _checked_name("consumer name", consumer)
+    topic_value = _checked_topic(topic)
+    alias = _alias(using)
+    connection = connections[alias]
+    now = timezone.now()
+    values = {
+        "consumer": name,
+        "event_id": event,
+        "topic": topic_value,
+        "deliveries": 1,
+        "first_delivered_at": now,
+        "last_delivered_at": now,
+        "last_error": "",
+        "expires_at": now + _ttl(ttl),
+    }
+    with transaction.atomic(using=alias):
+        count, parked = _upsert_delivery(connection, values)
+    return Delivery(name, event, topic_value, count, parked)
+
+
+def _upsert_delivery(
+    connection: BaseDatabaseWrapper, values: Mapping[str, Any]
+) -> tuple[int, bool]:
+    model = EventDelivery
+    quote = connection.ops.quote_name
+    table = quote(model._meta.db_table)
+
+    def column(name: str) -> str:
+        return quote(_field(model, name).column)
+
+    deliveries, parked_at = column("deliveries"), column("parked_at")
+    last, expires = column("last_delivered_at"), column("expires_at")
+    sql, params = _insert_sql(connection, model, values)
+    vendor = connection.vendor
+    with connection.cursor() as cursor:
+        if vendor in ("postgresql", "sqlite"):
+            target = _columns(connection, model, ("consumer", "event_id"))
+            cursor.execute(
+                f"{sql} ON CONFLICT ({target}) DO UPDATE SET "
+                f"{deliveries} = {table}.{deliveries} + 1, "
+                f"{last} = excluded.{last}, {expires} = excluded.{expires} "
+                f"RETURNING {deliveries}, {parked_at} IS NOT NULL",
+                params,
+            )
+            count, parked = cursor.fetchone()
+        elif vendor == "mysql":
+            prepared = dict(zip(values, params, strict=True))
+            cursor.execute(
+                f"{sql} ON DUPLICATE KEY UPDATE {deliveries} = {deliveries} + 1, "
+                f"{last} = %s, {expires} = %s",
+                [*params, prepared["last_delivered_at"], prepared["expires_at"]],
+            )
+            cursor.execute(
+                f"SELECT {deliveries}, {parked_at} IS NOT NULL FROM {table} "
+                f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s",
+                [prepared["consumer"], prepared["event_id"]],
+            )
+            count, parked = cursor.fetchone()
+        else:
+            raise NotSupportedError(
+                f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, "
+                f"not {vendor!r}."
+            )
+    return int(count), bool(parked)
+
+
+def _park(delivery: Delivery, using: str) -> bool:
+    """Mark the event parked in a transaction of its own; True if this call parked it."""
+    with transaction.atomic(using=using):
+        return (
+            EventDelivery.objects.using(using)
+            .filter(consumer=delivery.consumer, event_id=delivery.event_id, parked_at=None)
+            .update(parked_at=timezone.now())
+            == 1
+        )
+
+
+def _record_error(delivery: Delivery, error: BaseException, using: str) -> None:
+    """Keep the last error of a failed delivery, for the admin; never hides the error itself."""
+    text = f"{type(error).__name__}: {error}"[:2000]
+    try:
+        with transaction.atomic(using=using):
+            EventDelivery.objects.using(using).filter(
+                consumer=delivery.consumer, event_id=delivery.event_id
+            ).update(last_error=text)
+    except Exception:  # the body's error is the one that matters, and it propagates
+        logger.warning(
+            "could not record the error of event %s for consumer %s",
+            delivery.event_id,
+            delivery.consumer,
+            exc_info=True,
+        )
+
+
+# --- Processing one event -----------------------------------------------------------------------
+
+
+class Processed(NamedTuple, Generic[T]):
+    """What :func:`process_event` did."""
+
+    applied: bool
+    """True if the body ran and its transaction committed; False for a duplicate."""
+    result: T | None
+    """The body's return value, or None for a duplicate."""
+
+
+class _ParkInstead(Exception):
+    """Rolls the reservation back when an over-delivered event must be parked, not run."""
+
+
+def process_event(
+    consumer: str,
+    event_id: EventId,
+    body: Callable[[], T],
+    *,
+    topic: str | None = None,
+    ttl: timedelta | float | None = None,
+    using: str | None = None,
+    max_deliveries: int | None = None,
+    count_deliveries: bool = True,
+) -> Processed[T]:
+    """Run ``body`` once for ``(consumer, event_id)``, in one transaction with the reservation.
+
+    1. Count the delivery in its own committed transaction (unless ``count_deliveries`` is
+       False). An event already parked raises :class:`EventParked` at once.
+    2. Open ``transaction.atomic(using=...)`` and :func:`try_reserve` the event. A duplicate
+       returns ``Processed(False, None)``, logs ``duplicate ignored`` and sends
+       :data:`~django_idempotency.signals.event_duplicate`.
+    3. If the event has been delivered more than ``max_deliveries`` times (default
+       ``MAX_DELIVERIES``) and the reservation shows it was never processed, roll back, park it,
+       log at ERROR, send :data:`~django_idempotency.signals.event_parked` and raise
+       :class:`EventParked`. (The parking decision waits on the reservation, so a delivery that
+       is merely concurrent with a successful one is never parked.)
+    4. Otherwise run ``body`` in the transaction; its exception rolls the reservation back and
+       propagates unchanged, so the next delivery runs again.
+    """
+    event = normalize_event_id(event_id)
+    name = _checked_name("consumer name", consumer)
+    topic_value = _checked_topic(topic)
+    alias = _alias(using)
+    limit = conf.MAX_DELIVERIES if max_deliveries is None else max_deliveries
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"max_deliveries must be a positive integer, not {limit!r}.")
+
+    delivery = None
+    if count_deliveries:
+        delivery = count_delivery(event, name, topic=topic_value, ttl=ttl, using=alias)
+        if delivery.parked:
+            logger.error(
+                "parked event delivered again and rejected: event %s, consumer %s "
+                "(%d deliveries). Delete its EventDelivery row to let it run again.",
+                event,
+                name,
+                delivery.count,
+                extra={"event_id": event, "consumer": name, "topic": topic_value},
+            )
+            raise EventParked(
+                f"Event {event} for consumer {name!r} is parked ({delivery.count} deliveries)."
+            )
+    over_limit = delivery is not None and delivery.count > limit
+
+    try:
+        with transaction.atomic(using=alias):
+            if not try_reserve(event, name, topic=topic_value, ttl=ttl, using=alias):
+                applied = False
+                result = None
+            elif over_limit:
+                raise _ParkInstead
+            else:
+                applied = True
+                result = body()
+    except _ParkInstead:
+        assert delivery is not None
+        _park_and_raise(delivery, limit, alias)
+    except BaseException as exc:
+        if delivery is not None and isinstance(exc, Exception):
+            _record_error(delivery, exc, alias)
+        raise
+
+    if not applied:
+        logger.info(
+            "duplicate ignored: event %s, consumer %s",
+            event,
+            name,
+            extra={"event_id": event, "consumer": name, "topic": topic_value},
+        )
+        signals.event_duplicate.send(sender=name, event_id=event, topic=topic_value)
+    return Processed(applied, result)
+
+
+def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
+    newly = _park(delivery, using)
+    logger.error(
+        "EVENT PARKED: event %s, consumer %s, delivered %d times without being processed "
+        "(MAX_DELIVERIES=%d). It will not run again. Find it in the admin under "
+        "'event deliveries' (parked); delete that row to let it run again.",
+        delivery.event_id,
+        delivery.consumer,
+        delivery.count,
+        limit,
+        extra={
+            "event_id": delivery.event_id,
+            "consumer": delivery.consumer,
+            "topic": delivery.topic,
+        },
+    )
+    if newly:
+        signals.event_parked.send(
+            sender=delivery.consumer,
+            event_id=delivery.event_id,
+            topic=delivery.topic,
+            deliveries=delivery.count,
+        )
+    raise EventParked(
+        f"Event {delivery.event_id} for consumer {delivery.consumer!r} was delivered "
+        f"{delivery.count} times without being processed (limit {limit}) and is parked."
+    )
+
+
+def find_event_id(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The default place of an event id: the ``event_id`` keyword argument, else the
+    ``"event_id"`` key of the first positional argument when that is a mapping. None if neither.
+    """
+    if kwargs.get(EVENT_ID_KEY) is not None:
+        return kwargs[EVENT_ID_KEY]
+    if args and isinstance(args[0], Mapping):
+        return args[0].get(EVENT_ID_KEY)
+    return None
+
+
+# --- The decorator for plain consumers ----------------------------------------------------------
+
+
+def idempotent_consumer(
+    consumer: str,
+    event_id: Callable[..., EventId | None] | None = None,
+    *,
+    topic: str | Callable[..., str | None] | None = None,
+    ttl: timedelta | float | None = None,
+    using: str | None = None,
+    max_deliveries: int | None = None,
+    count_deliveries: bool = True,
+) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
+    """Make a plain consumer function (a Kafka, NATS or SQS loop's handler) run once per event.
+
+    .. code-block:: python
+
+        @idempotent_consumer("billing.order-confirmed", event_id=lambda evt: evt["event_id"])
+        def on_order_confirmed(evt: dict) -> None:
+            LedgerEntry.objects.create(...)
+
+    Each call counts the delivery (see :func:`process_event`), opens
+    ``transaction.atomic(using=...)``, reserves the event and runs the function only the first
+    time. A duplicate returns None and logs ``duplicate ignored`` with the event id and consumer.
+    An event delivered more than ``max_deliveries`` times without completing raises
+    :class:`~django_idempotency.exceptions.EventParked`: acknowledge it (or send it to a dead
+    letter queue) and go on.
+
+    Args:
+        consumer: the consumer's stable name. Renaming it makes every event new again.
+        event_id: called with the function's arguments, returns the event id. Default: the
+            ``event_id`` keyword argument, or the ``"event_id"`` key of the first positional
+            argument when that is a mapping. No id raises
+            :class:`~django_idempotency.exceptions.MissingEventId`.
+        topic: a string, or a callable of the function's arguments; informational.
+        ttl, using, max_deliveries, count_deliveries: see :func:`process_event`.
+    """
+    _checked_name("consumer name", consumer)
+
+    def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
+        if inspect.iscoroutinefunction(func):
+            raise TypeError(
+                f"@idempotent_consumer cannot wrap the coroutine function {func.__qualname__}: "
+                "the reservation and the effect share a synchronous database transaction. Call "
+                "a synchronous handler through asgiref.sync.sync_to_async instead."
+            )
+
+        @functools.wraps(func)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+            raw = (
+                event_id(*args, **kwargs) if event_id is not None else find_event_id(args, kwargs)
+            )
+            if raw is None:
+                raise MissingEventId(
+                    f"Consumer {consumer!r} ({func.__qualname__}) got a message without an event "
+                    "id. Pass event_id=... to @idempotent_consumer to say where it is."
+                )
+            topic_value = topic(*args, **kwargs) if callable(topic) else topic
+            outcome = process_event(
+                consumer,
+                raw,
+                functools.partial(func, *args, **kwargs),
+                topic=topic_value,
+                ttl=ttl,
+                using=using,
+                max_deliveries=max_deliveries,
+                count_deliveries=count_deliveries,
+            )
+            return outcome.result
+
+        return wrapper
+
+    return decorate
+
+
+# --- Producer side: UUIDv7 ----------------------------------------------------------------------
+
+_uuid7_lock = threading.Lock()
+_uuid7_last_ms = 0
+_uuid7_counter = 0
+_COUNTER_BITS = 42
+
+
+def _reset_uuid7_state() -> None:
+    global _uuid7_last_ms, _uuid7_counter
+    _uuid7_last_ms = 0
+    _uuid7_counter = 0
+
+
+if hasattr(os, "register_at_fork"):
+    # A forked child must not continue the parent's counter in the same millisecond.
+    os.register_at_fork(after_in_child=_reset_uuid7_state)
+
+
+def new_event_id() -> uuid.UUID:
+    """A new time-ordered UUID version 7 (RFC 9562), for a producer to stamp an event with.
+
+    48 bits of Unix time in milliseconds, then a 42-bit counter that starts at a random value each
+    millisecond and counts up within it (RFC 9562 section 6.2, method 1), then 32 random bits. Ids
+    from one process are strictly increasing, even within a millisecond or if the clock steps
+    back; ids from different processes are ordered by millisecond. Sorted ids keep a B-tree index
+    compact, and the timestamp tells roughly when the event was created.
+    """
+    global _uuid7_last_ms, _uuid7_counter
+    with _uuid7_lock:
+        now_ms = time.time_ns() // 1_000_000
+        if now_ms > _uuid7_last_ms:
+            _uuid7_last_ms = now_ms
+            # The top bit stays clear so the counter has room to count within the millisecond.
+            _uuid7_counter = secrets.randbits(_COUNTER_BITS - 1)
+        else:
+            _uuid7_counter += 1
+            if _uuid7_counter >> _COUNTER_BITS:
+                # Counter overflow (or a clock that went back): borrow the next millisecond.
+                _uuid7_last_ms += 1
+                _uuid7_counter = secrets.randbits(_COUNTER_BITS - 1)
+        timestamp, counter = _uuid7_last_ms, _uuid7_counter
+    value = (
+        (timestamp & 0xFFFF_FFFF_FFFF) << 80
+        | 0x7 << 76  # version 7
+        | (counter >> 30) << 64  # rand_a: the counter's high 12 bits
+        | 0b10 << 62  # the RFC 9562 variant
+        | (counter & 0x3FFF_FFFF) << 32  # the counter's low 30 bits
+        | secrets.randbits(32)
+    )
+    return uuid.UUID(int=value)

@@ -1,0 +1,241 @@
+"""The Django side of the core, shared by :func:`~django_idempotency.idempotent` and
+:class:`~django_idempotency.middleware.IdempotencyMiddleware`.
+
+It turns an ``HttpRequest`` (or a DRF ``Request``) into a :class:`~django_idempotency.core.
+Command`, a view's ``HttpResponse`` into a :class:`~django_idempotency.core.Captured`, and a
+:class:`~django_idempotency.core.Replay` back into an ``HttpResponse``. All decisions are the
+core's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from django.template.response import SimpleTemplateResponse
+
+from django_idempotency.conf import SAFE_METHODS, conf
+from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.exceptions import MissingKey, ProblemError
+from django_idempotency.fingerprint import fingerprint
+from django_idempotency.keys import parse_key
+from django_idempotency.owner import resolve_owner
+
+#: Set on the ``HttpRequest`` once a request has been handled, so that the decorator does not
+#: handle it a second time inside the middleware.
+HANDLED = "_idempotency_handled"
+#: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these.
+ALWAYS_REPLAYED = ("Content-Type", "Location")
+#: Headers never replayed, even when listed in ``REPLAY_HEADERS``: cookies belong to the client
+#: that received them, and hop-by-hop or length headers describe one transfer.
+NEVER_REPLAYED = frozenset(
+    {
+        "set-cookie",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "idempotent-replayed",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``@idempotent(...)`` was given. Settings are read per request, never here."""
+
+    required: bool = False
+    ttl: timedelta | None = None
+    methods: frozenset[str] | None = None
+    atomic: bool = True
+    lease: timedelta | None = None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        required: bool = False,
+        ttl: timedelta | float | None = None,
+        methods: Iterable[str] | None = None,
+        atomic: bool = True,
+        lease: timedelta | float | None = None,
+    ) -> Options:
+        if lease is not None and atomic:
+            raise ImproperlyConfigured(
+                "@idempotent(lease=...) only applies in lease mode: pass atomic=False too."
+            )
+        method_set = None
+        if methods is not None:
+            if isinstance(methods, str):
+                raise ImproperlyConfigured(
+                    f"@idempotent(methods=...) takes a list of methods, not {methods!r}."
+                )
+            method_set = frozenset(method.upper() for method in methods)
+            unsafe = ", ".join(sorted(method_set & SAFE_METHODS))
+            if unsafe:
+                raise ImproperlyConfigured(
+                    f"@idempotent(methods=...) lists {unsafe}: safe methods are never handled. "
+                    "List only POST, PUT, PATCH or DELETE."
+                )
+        return cls(
+            required=bool(required),
+            ttl=_duration("ttl", ttl),
+            methods=method_set,
+            atomic=bool(atomic),
+            lease=_duration("lease", lease),
+        )
+
+
+def _duration(name: str, value: timedelta | float | None) -> timedelta | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
+        raise ImproperlyConfigured(
+            f"@idempotent({name}=...) must be a timedelta or a number of seconds, not {value!r}."
+        )
+    duration = value if isinstance(value, timedelta) else timedelta(seconds=value)
+    if duration <= timedelta(0):
+        raise ImproperlyConfigured(f"@idempotent({name}=...) must be longer than zero.")
+    return duration
+
+
+def django_request(request: Any) -> HttpRequest:
+    """The ``HttpRequest`` under a DRF ``Request`` (or ``request`` itself)."""
+    inner = getattr(request, "_request", request)
+    if not isinstance(inner, HttpRequest):
+        raise TypeError(f"Expected an HttpRequest or a DRF Request, got {type(request).__name__}.")
+    return inner
+
+
+def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
+    """Describe ``request`` for the core.
+
+    Returns None when the request is not handled (method not listed, no key on an optional
+    endpoint, or already handled by the middleware), or a problem response for a missing or
+    malformed key.
+    """
+    http_request = django_request(request)
+    if getattr(http_request, HANDLED, False):
+        return None
+    method = (http_request.method or "").upper()
+    if method in SAFE_METHODS or method not in (options.methods or conf.METHODS):
+        return None
+    header = http_request.headers.get(conf.HEADER)
+    try:
+        if header is None:
+            if not options.required:
+                return None
+            raise MissingKey(
+                f"This endpoint requires an {conf.HEADER} header: send a fresh UUID with each "
+                "new request, and the same one when you retry it."
+            )
+        key = parse_key(header, conf.MAX_KEY_LENGTH)
+    except ProblemError as exc:
+        setattr(http_request, HANDLED, True)
+        return exc.as_response()
+    setattr(http_request, HANDLED, True)
+    path = http_request.get_full_path()
+    return Command(
+        owner=resolve_owner(request),
+        key=key,
+        method=method,
+        path=path,
+        fingerprint=fingerprint(
+            method, path, http_request.body, http_request.headers.get("Content-Type")
+        ),
+    )
+
+
+def handle(
+    request: Any,
+    view: Callable[[], HttpResponseBase],
+    options: Options,
+    view_self: Any = None,
+) -> HttpResponseBase:
+    """Run ``view`` for ``request`` under the core, synchronously."""
+    prepared = prepare(request, options)
+    if prepared is None:
+        return view()
+    if isinstance(prepared, HttpResponse):
+        return prepared
+    core = Idempotency(policy(options), request=request)
+    try:
+        result = core.run(prepared, view, partial(capture, request=request, view_self=view_self))
+    except ProblemError as exc:
+        return exc.as_response()
+    return replay_response(result) if isinstance(result, Replay) else result
+
+
+async def ahandle(
+    request: Any,
+    view: Callable[[], Awaitable[HttpResponseBase]],
+    options: Options,
+    view_self: Any = None,
+) -> HttpResponseBase:
+    """Run the ``async`` ``view`` for ``request`` under the core."""
+    from asgiref.sync import sync_to_async
+
+    prepared = await sync_to_async(prepare, thread_sensitive=True)(request, options)
+    if prepared is None:
+        return await view()
+    if isinstance(prepared, HttpResponse):
+        return prepared
+    core = Idempotency(policy(options), request=request)
+    try:
+        result = await core.arun(
+            prepared, view, partial(capture, request=request, view_self=view_self)
+        )
+    except ProblemError as exc:
+        return exc.as_response()
+    return replay_response(result) if isinstance(result, Replay) else result
+
+
+def policy(options: Options) -> Policy:
+    return Policy.from_settings(ttl=options.ttl, atomic=options.atomic, lease=options.lease)
+
+
+def capture(response: HttpResponseBase, *, request: Any = None, view_self: Any = None) -> Captured:
+    """Describe a view's response for the core; renders a template or DRF response first."""
+    if isinstance(response, SimpleTemplateResponse) and not response.is_rendered:
+        if view_self is None:  # e.g. method_decorator on an APIView: DRF knows the view
+            view_self = (getattr(request, "parser_context", None) or {}).get("view")
+        finalize = getattr(view_self, "finalize_response", None)
+        if getattr(response, "accepted_renderer", None) is None and finalize is not None:
+            # A DRF Response returned by a decorated APIView/ViewSet method, before DRF's
+            # dispatch() negotiated its renderer. DRF finalizes it again afterwards; harmless.
+            finalize(request, response)
+        response.render()
+    headers = safe_headers(response)
+    if response.streaming or not isinstance(response, HttpResponse):
+        return Captured(response.status_code, headers, None, "streaming response")
+    content = response.content
+    if len(content) > conf.MAX_RESPONSE_BYTES:
+        return Captured(
+            response.status_code,
+            headers,
+            None,
+            f"body of {len(content)} bytes is larger than MAX_RESPONSE_BYTES",
+        )
+    return Captured(response.status_code, headers, content)
+
+
+def safe_headers(response: HttpResponseBase) -> dict[str, str]:
+    """The headers of ``response`` that may be replayed to a retry."""
+    wanted = {name.lower() for name in (*ALWAYS_REPLAYED, *conf.REPLAY_HEADERS)}
+    wanted -= NEVER_REPLAYED
+    return {name: value for name, value in response.items() if name.lower() in wanted}
+
+
+def replay_response(replay: Replay) -> HttpResponse:
+    """An ``HttpResponse`` that replays a stored response."""
+    response = HttpResponse(replay.body, status=replay.status)
+    del response["Content-Type"]
+    for name, value in replay.headers.items():
+        response[name] = value
+    return response

@@ -1,0 +1,347 @@
+"""Managers for the idempotency tables: the batched purge of expired rows, and cheap stats.
+
+Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry_run=False)``:
+
+* It deletes in bounded batches, one short transaction per batch. A batch selects up to
+  ``batch_size`` primary keys in ``expires_at`` order (the ``expires_at`` index), then deletes
+  those rows by primary key, re-checking the expiry condition in the ``DELETE`` itself, so a
+  row that a request revived in between is kept. Where the database supports it (PostgreSQL,
+  MariaDB 10.6+, MySQL 8), the select takes ``FOR UPDATE SKIP LOCKED`` so the purge never waits
+  on a row a live request holds, and two purges running at once share the work.
+* "Expired" is decided by the database clock (:class:`DatabaseNow`), never by the application
+  server's, so app servers with skewed clocks agree.
+* An :class:`~django_idempotency.models.IdempotencyRecord` that is ``in_progress`` under a live
+  lease (``locked_until`` after the database clock) is never deleted, even past ``expires_at``.
+* :class:`~django_idempotency.models.EventDelivery` rows are deleted at ``expires_at`` whether or
+  not they are parked: a parked event stays parked (and visible in the admin) until its row
+  expires, and a replay after that is counted afresh and can be parked again.
+* When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.partitioning`), its
+  ``delete_expired`` only deletes rows in the default partition; whole partitions are dropped by
+  :func:`~django_idempotency.partitioning.maintain`, which :func:`purge_all` runs too.
+
+:func:`purge_all` runs the purge over the three tables within one time budget; the Celery task
+and the ``idempotency_purge`` command are thin wrappers around it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from django.db import connections, models, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.db.models.sql.compiler import SQLCompiler
+
+from django_idempotency.conf import conf
+
+if TYPE_CHECKING:
+    from django.db.models.sql.compiler import _AsSqlType
+
+    from django_idempotency.partitioning import MaintenanceResult
+
+_M = TypeVar("_M", bound=models.Model)
+
+
+class DatabaseNow(Now):
+    """The database server's current time, compared in UTC on every backend.
+
+    Django's :class:`~django.db.models.functions.Now` is ``CURRENT_TIMESTAMP(6)`` on MySQL,
+    which is in the session's time zone, while Django stores naive UTC there; this uses
+    ``UTC_TIMESTAMP(6)`` instead. PostgreSQL uses ``STATEMENT_TIMESTAMP()`` and SQLite
+    ``'now'``, both already comparable with stored values.
+    """
+
+    def as_mysql(
+        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
+    ) -> _AsSqlType:
+        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
+
+
+@dataclass(frozen=True)
+class PurgeResult:
+    """What one ``delete_expired`` call did to one table."""
+
+    label: str
+    """The model label, for example ``django_idempotency.IdempotencyRecord``."""
+    deleted: int
+    """Rows deleted; in a dry run, the rows that would be deleted."""
+    batches: int
+    """Transactions it took (in a dry run: would take)."""
+    seconds: float
+    finished: bool
+    """False when the time budget ran out first: run it again to go on."""
+    dry_run: bool = False
+    partitions: MaintenanceResult | None = None
+    """Partitions created and dropped, when the table is range-partitioned."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly dict (the Celery task's return value)."""
+        data = asdict(self)
+        data["seconds"] = round(self.seconds, 3)
+        data["partitions"] = None if self.partitions is None else self.partitions.as_dict()
+        return data
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """Monitoring figures for one table; every figure is cheap (an index or the catalog)."""
+
+    label: str
+    table: str
+    size_bytes: int | None
+    """Table plus indexes (all partitions) on PostgreSQL and MySQL; None on SQLite."""
+    approx_rows: int | None
+    """The planner's estimate (PostgreSQL, MySQL) or an exact count (SQLite)."""
+    expired: int
+    """Rows past ``expires_at`` that the purge may delete now: its backlog."""
+    oldest_expires_at: datetime | None
+    """The smallest ``expires_at``: far in the past means the purge is not keeping up."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Per-table figures: ``in_progress`` and ``live_leases`` for records, ``parked`` for
+    deliveries."""
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["oldest_expires_at"] = (
+            None if self.oldest_expires_at is None else self.oldest_expires_at.isoformat()
+        )
+        return data
+
+
+def _batch_size(value: int | None) -> int:
+    if value is None:
+        return conf.PURGE_BATCH_SIZE
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"batch_size must be a positive integer, not {value!r}.")
+    return value
+
+
+def _max_seconds(value: float | None) -> float:
+    if value is None:
+        return conf.PURGE_MAX_SECONDS
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"max_seconds must be zero (no limit) or more, not {value!r}.")
+    return float(value)
+
+
+class ExpiringQuerySet(models.QuerySet[_M]):
+    """Queries shared by the three tables, which all expire on ``expires_at``."""
+
+    def _alias(self) -> str:
+        # Records live where the core writes them (IDEMPOTENCY["DATABASE"]) unless the caller
+        # picked a database with .using().
+        chosen: str | None = self._db  # type: ignore[attr-defined]
+        return chosen or conf.DATABASE
+
+    def expired_condition(self) -> Q:
+        """The rows the purge may delete now, by the database clock."""
+        return Q(expires_at__lt=DatabaseNow())
+
+    def expired(self) -> ExpiringQuerySet[_M]:
+        """Rows the purge may delete now."""
+        return self.filter(self.expired_condition())
+
+    def delete_expired(
+        self,
+        batch_size: int | None = None,
+        max_seconds: float | None = None,
+        dry_run: bool = False,
+    ) -> PurgeResult:
+        """Delete expired rows in batches of ``batch_size``, for at most ``max_seconds``.
+
+        ``batch_size`` defaults to ``IDEMPOTENCY["PURGE_BATCH_SIZE"]`` and ``max_seconds`` to
+        ``IDEMPOTENCY["PURGE_MAX_SECONDS"]`` (0: no limit; the budget is checked after each
+        batch, so at least one batch runs). A dry run counts the rows it would delete and deletes nothing. Filters on the
+        queryset narrow what is deleted.
+        """
+        size = _batch_size(batch_size)
+        budget = _max_seconds(max_seconds)
+        started = time.monotonic()
+        alias = self._alias()
+        queryset = self.using(alias)
+        if dry_run:
+            count = queryset.filter(self.expired_condition()).count()
+            return PurgeResult(
+                label=self.model._meta.label,
+                deleted=count,
+                batches=math.ceil(count / size),
+                seconds=time.monotonic() - started,
+                finished=True,
+                dry_run=True,
+            )
+        deleted = batches = 0
+        while True:
+            selected, removed = queryset._delete_batch(alias, size)
+            if selected:
+                batches += 1
+                deleted += removed
+            finished = selected < size
+            # The budget is checked after each batch, so every call makes progress.
+            if finished or (budget and time.monotonic() - started >= budget):
+                break
+        return PurgeResult(
+            label=self.model._meta.label,
+            deleted=deleted,
+            batches=batches,
+            seconds=time.monotonic() - started,
+            finished=finished,
+        )
+
+    def _delete_batch(self, alias: str, size: int) -> tuple[int, int]:
+        """Delete one batch in one short transaction; return (rows selected, rows deleted)."""
+        condition = self.expired_condition()
+        locking = connections[alias].features.has_select_for_update_skip_locked
+        # Without row locks (SQLite) the select runs on its own and the DELETE is the whole
+        # transaction: a read that upgrades to a write could fail with "database is locked".
+        with transaction.atomic(using=alias) if locking else nullcontext():
+            batch = self.filter(condition).order_by("expires_at")
+            if locking:
+                # Rows a live request has locked are skipped, not waited for.
+                batch = batch.select_for_update(skip_locked=True)
+            pks = list(batch.values_list("pk", flat=True)[:size])
+            if not pks:
+                return 0, 0
+            # The condition is checked again by the DELETE: a row revived since the select
+            # (a new claim on an expired key, a lease taken over) is kept.
+            removed, _ = (
+                self.model._base_manager.using(alias).filter(condition, pk__in=pks).delete()
+            )
+        return len(pks), removed
+
+    def stats(self) -> TableStats:
+        """Size, estimated rows, purge backlog and oldest expiry of this table."""
+        alias = self._alias()
+        queryset = self.using(alias)
+        table = self.model._meta.db_table
+        size_bytes, approx_rows = _table_size(alias, table)
+        if approx_rows is None and connections[alias].vendor == "sqlite":
+            approx_rows = queryset.count()
+        oldest = queryset.order_by("expires_at").values_list("expires_at", flat=True).first()
+        return TableStats(
+            label=self.model._meta.label,
+            table=table,
+            size_bytes=size_bytes,
+            approx_rows=approx_rows,
+            expired=queryset.filter(self.expired_condition()).count(),
+            oldest_expires_at=oldest,
+            counts=self._extra_counts(),
+        )
+
+    def _extra_counts(self) -> dict[str, int]:
+        return {}
+
+
+def _table_size(alias: str, table: str) -> tuple[int | None, int | None]:
+    """(bytes, estimated rows) from the catalog, or (None, None) where there is none."""
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # The table itself, or the partitions of a partitioned one (whose parent holds
+            # no data and no statistics).
+            cursor.execute(
+                "SELECT COALESCE(SUM(pg_total_relation_size(c.oid)), 0),"
+                " SUM(GREATEST(c.reltuples, 0))"
+                " FROM pg_class c WHERE c.relkind = 'r' AND (c.oid = %s::regclass"
+                " OR c.oid IN (SELECT relid FROM pg_partition_tree(%s::regclass)))",
+                [connection.ops.quote_name(table)] * 2,
+            )
+            size, rows = cursor.fetchone()
+            return int(size), None if rows is None else int(rows)
+        if connection.vendor == "mysql":
+            cursor.execute(
+                "SELECT data_length + index_length, table_rows FROM information_schema.tables"
+                " WHERE table_schema = DATABASE() AND table_name = %s",
+                [table],
+            )
+            row = cursor.fetchone()
+            return (None, None) if row is None else (int(row[0]), int(row[1]))
+    return None, None
+
+
+class IdempotencyRecordQuerySet(ExpiringQuerySet[_M]):
+    def live_lease_condition(self) -> Q:
+        """Records claimed in lease mode whose lease has not run out."""
+        return Q(state="in_progress", locked_until__gt=DatabaseNow())
+
+    def expired_condition(self) -> Q:
+        # A record held under a live lease is kept even past expires_at: deleting it would let
+        # a retry run the view a second time while the first holder is still working.
+        return super().expired_condition() & ~self.live_lease_condition()
+
+    def _extra_counts(self) -> dict[str, int]:
+        queryset = self.using(self._alias())
+        return {
+            "in_progress": queryset.filter(state="in_progress").count(),
+            "live_leases": queryset.filter(self.live_lease_condition()).count(),
+        }
+
+
+class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
+    def delete_expired(
+        self,
+        batch_size: int | None = None,
+        max_seconds: float | None = None,
+        dry_run: bool = False,
+    ) -> PurgeResult:
+        from django_idempotency import partitioning
+
+        alias = self._alias()
+        if not partitioning.is_partitioned(alias):
+            return super().delete_expired(batch_size, max_seconds, dry_run)
+        # Range partitions are dropped whole by partitioning.maintain(); rows only need
+        # deleting one by one in the default partition (ids without time, late events).
+        return partitioning.purge_default_partition(
+            alias,
+            partitioning.default_partition(alias),
+            batch_size=_batch_size(batch_size),
+            max_seconds=_max_seconds(max_seconds),
+            dry_run=dry_run,
+        )
+
+
+class EventDeliveryQuerySet(ExpiringQuerySet[_M]):
+    def _extra_counts(self) -> dict[str, int]:
+        return {"parked": self.using(self._alias()).filter(parked_at__isnull=False).count()}
+
+
+def purge_all(
+    batch_size: int | None = None,
+    max_seconds: float | None = None,
+    dry_run: bool = False,
+) -> list[PurgeResult]:
+    """Purge the three tables within one time budget and return one result per table.
+
+    Each table gets an equal share of what is left of ``max_seconds`` (a table that finishes
+    early leaves its share to the next), so a backlog in one table cannot starve the others.
+    When ``ProcessedEvent`` is range-partitioned, partitions are also created ahead and expired
+    ones dropped.
+    """
+    from django_idempotency import partitioning
+    from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+
+    size = _batch_size(batch_size)
+    budget = _max_seconds(max_seconds)
+    deadline = time.monotonic() + budget
+    managers: list[Any] = [
+        IdempotencyRecord.objects,
+        ProcessedEvent.objects,
+        EventDelivery.objects,
+    ]
+    results: list[PurgeResult] = []
+    for position, manager in enumerate(managers):
+        share = 0.0
+        if budget:
+            # Never 0 (no limit) once the budget is spent: then each table runs one batch.
+            share = max((deadline - time.monotonic()) / (len(managers) - position), 1e-6)
+        result = manager.delete_expired(batch_size=size, max_seconds=share, dry_run=dry_run)
+        if manager.model is ProcessedEvent and partitioning.is_partitioned(conf.DATABASE):
+            maintenance = partitioning.maintain(conf.DATABASE, dry_run=dry_run)
+            result = PurgeResult(**{**result.__dict__, "partitions": maintenance})
+        results.append(result)
+    return results

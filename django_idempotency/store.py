@@ -1,0 +1,458 @@
+"""The SQL behind the core: claim, complete and release an idempotency record.
+
+Each backend gets the statements that let the unique ``(owner, key)`` index decide races
+without ever waiting on another request's open transaction:
+
+PostgreSQL
+    One statement claims: it reads the existing row, takes a transaction-scoped advisory lock on
+    a 64-bit hash of ``(owner, key)`` with ``pg_try_advisory_xact_lock`` (never waits), and only
+    if it got the lock inserts the row with ``INSERT ... ON CONFLICT (owner, key) DO UPDATE ...
+    WHERE <expired or stale lease>``, which also takes over an expired record in the same
+    statement. A request that finds a completed row takes no lock at all. A plain ``INSERT``
+    would block on an uncommitted duplicate until its transaction ends; the advisory lock
+    answers "someone is running this key right now" at once, and the database drops it when
+    that transaction commits, rolls back, or its process dies.
+MariaDB / MySQL
+    ``SET STATEMENT innodb_lock_wait_timeout=0 FOR INSERT ...``: an uncommitted duplicate makes
+    the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
+    one fails with 1062 (duplicate key), and a locking read (``LOCK IN SHARE MODE``, which sees
+    the latest committed row even under ``REPEATABLE READ``) fetches it. Both errors only undo
+    the statement, not the transaction.
+SQLite
+    ``INSERT ... ON CONFLICT DO NOTHING``. SQLite has one writer at a time, so a duplicate waits
+    for the database lock (the connection's ``timeout``) and then sees the committed row; if
+    the timeout runs out first, ``database is locked`` is answered as "in progress".
+
+Every time comparison uses the database clock (:class:`~django_idempotency.managers.DatabaseNow`
+and its SQL equivalents), so app servers with skewed clocks agree on expiry and leases.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    NotSupportedError,
+    OperationalError,
+    connections,
+)
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+from django_idempotency.exceptions import StaleClaim
+from django_idempotency.managers import DatabaseNow
+from django_idempotency.models import IdempotencyRecord
+
+IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
+COMPLETED = IdempotencyRecord.State.COMPLETED.value
+
+# MariaDB/MySQL error numbers.
+ER_DUP_ENTRY = 1062
+ER_LOCK_WAIT_TIMEOUT = 1205
+ER_LOCK_DEADLOCK = 1213
+
+COLUMNS = (
+    "id",
+    "fingerprint",
+    "state",
+    "token",
+    "response_status",
+    "response_headers",
+    "response_body",
+)
+
+
+@dataclass(frozen=True)
+class Existing:
+    """A record that was already there when a request tried to claim its key."""
+
+    id: int
+    fingerprint: str
+    state: str
+    token: uuid.UUID
+    response_status: int | None
+    response_headers: dict[str, str]
+    response_body: bytes | None
+    expired: bool
+    """``expires_at`` has passed (database clock): the key counts as new."""
+    lease_live: bool
+    """The record is ``in_progress`` under a lease that has not run out."""
+
+    @property
+    def completed(self) -> bool:
+        return self.state == COMPLETED
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """What a claim attempt found.
+
+    * ``record_id`` set: the caller owns the record (new, or taken over from ``existing``).
+    * ``record_id`` None, ``existing`` set: someone else's record, to replay or refuse.
+    * both None: another transaction is claiming or running this key right now.
+    """
+
+    record_id: int | None
+    existing: Existing | None
+
+    @property
+    def claimed(self) -> bool:
+        return self.record_id is not None
+
+
+def advisory_lock_id(owner: str, key: str) -> int:
+    """A signed 64-bit PostgreSQL advisory lock id for ``(owner, key)``."""
+    digest = hashlib.sha256(f"django_idempotency\0{owner}\0{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def _seconds(duration: timedelta | None) -> float | None:
+    return None if duration is None else duration.total_seconds()
+
+
+def _microseconds(duration: timedelta | None) -> int | None:
+    return None if duration is None else duration // timedelta(microseconds=1)
+
+
+class RecordStore:
+    """Claims, completes and releases :class:`IdempotencyRecord` rows on one database alias."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+
+    @property
+    def connection(self) -> BaseDatabaseWrapper:
+        return connections[self.using]
+
+    # -- claim ------------------------------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        owner: str,
+        key: str,
+        fingerprint: str,
+        method: str,
+        path: str,
+        token: uuid.UUID,
+        ttl: timedelta,
+        lease: timedelta | None,
+    ) -> ClaimResult:
+        """Try to own ``(owner, key)`` with a fresh ``token``; never waits on another claim.
+
+        A record whose TTL ran out is taken over as a new key. An ``in_progress`` record whose
+        lease ran out is taken over when the fingerprint matches (the retry of a crashed
+        holder). Must run inside a transaction on :attr:`using`.
+        """
+        values = _ClaimValues(owner, key, fingerprint, method, path[:2000], token, ttl, lease)
+        vendor = self.connection.vendor
+        for _ in range(3):
+            if vendor == "postgresql":
+                result = self._claim_postgresql(values)
+            elif vendor == "mysql":
+                result = self._claim_mysql(values)
+            elif vendor == "sqlite":
+                result = self._claim_sqlite(values)
+            else:
+                raise NotSupportedError(
+                    f"django-idempotency supports PostgreSQL, MariaDB/MySQL and SQLite, not "
+                    f"{vendor!r} (database alias {self.using!r})."
+                )
+            if result is not None:
+                return result
+        # The row vanished between the insert and the read three times in a row (purged or
+        # released each time): answer "in progress" and let the client retry.
+        return ClaimResult(None, None)
+
+    def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
+        t = self._table()
+        sql = f"""
+            WITH existing AS (
+                SELECT {", ".join(COLUMNS)},
+                       expires_at <= statement_timestamp() AS expired,
+                       (state = '{IN_PROGRESS}' AND locked_until > statement_timestamp())
+                           AS lease_live
+                FROM {t} WHERE owner = %(owner)s AND "key" = %(key)s
+            ),
+            lock AS (
+                SELECT pg_try_advisory_xact_lock(%(lock_id)s) AS got
+                WHERE NOT EXISTS (
+                    SELECT 1 FROM existing WHERE state = '{COMPLETED}' AND NOT expired
+                )
+            ),
+            claimed AS (
+                INSERT INTO {t} (owner, "key", fingerprint, method, path, state, token,
+                                 locked_until, response_headers, created_at, expires_at)
+                SELECT %(owner)s, %(key)s, %(fingerprint)s, %(method)s, %(path)s,
+                       '{IN_PROGRESS}', %(token)s,
+                       statement_timestamp() + %(lease)s::interval, '{{}}'::jsonb,
+                       statement_timestamp(), statement_timestamp() + %(ttl)s::interval
+                FROM lock WHERE lock.got
+                ON CONFLICT (owner, "key") DO UPDATE SET
+                    fingerprint = EXCLUDED.fingerprint, method = EXCLUDED.method,
+                    path = EXCLUDED.path, state = EXCLUDED.state, token = EXCLUDED.token,
+                    locked_until = EXCLUDED.locked_until, response_status = NULL,
+                    response_headers = EXCLUDED.response_headers, response_body = NULL,
+                    created_at = EXCLUDED.created_at, completed_at = NULL,
+                    expires_at = EXCLUDED.expires_at
+                WHERE NOT ({t}.state = '{IN_PROGRESS}'
+                           AND {t}.locked_until > EXCLUDED.created_at)
+                  AND ({t}.expires_at <= EXCLUDED.created_at
+                       OR ({t}.state = '{IN_PROGRESS}'
+                           AND {t}.fingerprint = EXCLUDED.fingerprint))
+                RETURNING id
+            )
+            SELECT (SELECT got FROM lock), (SELECT id FROM claimed), existing.*
+            FROM (SELECT 1) AS one LEFT JOIN existing ON true
+        """
+        params: dict[str, Any] = {
+            "owner": v.owner,
+            "key": v.key,
+            "fingerprint": v.fingerprint,
+            "method": v.method,
+            "path": v.path,
+            "token": v.token,
+            "lease": v.lease,
+            "ttl": v.ttl,
+            "lock_id": advisory_lock_id(v.owner, v.key),
+        }
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            got, claimed_id, *row = cursor.fetchone()
+        existing = self._existing(row) if row[0] is not None else None
+        if claimed_id is not None:
+            return ClaimResult(claimed_id, existing)
+        if existing is None and got:
+            # We held the lock yet the insert met a row this statement's snapshot could not
+            # see: it was committed a moment ago. Run the claim again to read it.
+            return None
+        return ClaimResult(None, existing)
+
+    def _claim_mysql(self, v: _ClaimValues) -> ClaimResult | None:
+        t = self._table()
+        now = "UTC_TIMESTAMP(6)"
+        insert = f"""
+            SET STATEMENT innodb_lock_wait_timeout=0 FOR
+            INSERT INTO {t} (owner, `key`, fingerprint, method, path, state, token, locked_until,
+                             response_headers, created_at, expires_at)
+            VALUES (%s, %s, %s, %s, %s, '{IN_PROGRESS}', %s, {now} + INTERVAL %s MICROSECOND,
+                    '{{}}', {now}, {now} + INTERVAL %s MICROSECOND)
+        """
+        params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
+        params += [_microseconds(v.lease), _microseconds(v.ttl)]
+        with self.connection.cursor() as cursor:
+            try:
+                cursor.execute(insert, params)
+                return ClaimResult(cursor.lastrowid, None)
+            except (IntegrityError, OperationalError) as exc:
+                code = _mysql_errno(exc)
+                if code in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+                    self._after_mysql_lock_error(code)
+                    return ClaimResult(None, None)
+                if code != ER_DUP_ENTRY:
+                    raise
+            select = f"""
+                SET STATEMENT innodb_lock_wait_timeout=0 FOR
+                SELECT {", ".join(COLUMNS)}, expires_at <= {now},
+                       (state = '{IN_PROGRESS}' AND locked_until > {now})
+                FROM {t} WHERE owner = %s AND `key` = %s LOCK IN SHARE MODE
+            """
+            try:
+                cursor.execute(select, [v.owner, v.key])
+            except OperationalError as exc:
+                code = _mysql_errno(exc)
+                if code not in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+                    raise
+                self._after_mysql_lock_error(code)
+                return ClaimResult(None, None)
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        return self._take_over_or_report(v, self._existing(row))
+
+    def _after_mysql_lock_error(self, code: int) -> None:
+        if code == ER_LOCK_DEADLOCK:
+            # InnoDB rolled the whole transaction back: tell Django, so it does not commit
+            # (or release savepoints) as though nothing happened.
+            self.connection.needs_rollback = self.connection.in_atomic_block
+
+    def _claim_sqlite(self, v: _ClaimValues) -> ClaimResult | None:
+        t = self._table()
+        now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
+        later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)"
+        insert = f"""
+            INSERT INTO {t} (owner, "key", fingerprint, method, path, state, token, locked_until,
+                             response_headers, created_at, expires_at)
+            VALUES (%s, %s, %s, %s, %s, '{IN_PROGRESS}', %s, {later}, '{{}}', {now}, {later})
+            ON CONFLICT (owner, "key") DO NOTHING
+        """
+        params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
+        params += [_sqlite_modifier(v.lease), _sqlite_modifier(v.ttl)]
+        with self.connection.cursor() as cursor:
+            try:
+                cursor.execute(insert, params)
+            except OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                return ClaimResult(None, None)
+            if cursor.rowcount == 1:
+                return ClaimResult(cursor.lastrowid, None)
+            cursor.execute(
+                f"""
+                SELECT {", ".join(COLUMNS)}, expires_at <= {now},
+                       (state = '{IN_PROGRESS}' AND locked_until > {now})
+                FROM {t} WHERE owner = %s AND "key" = %s
+                """,
+                [v.owner, v.key],
+            )
+            row = cursor.fetchone()
+        if row is None:
+            return None
+        return self._take_over_or_report(v, self._existing(row))
+
+    def _take_over_or_report(self, v: _ClaimValues, existing: Existing) -> ClaimResult:
+        """MariaDB and SQLite: take over an expired record or a stale lease, compare-and-swap."""
+        if existing.lease_live or not (
+            existing.expired
+            or (existing.state == IN_PROGRESS and existing.fingerprint == v.fingerprint)
+        ):
+            return ClaimResult(None, existing)
+        taken = (
+            self._records()
+            .filter(pk=existing.id, token=existing.token)
+            .update(
+                fingerprint=v.fingerprint,
+                method=v.method,
+                path=v.path,
+                state=IN_PROGRESS,
+                token=v.token,
+                locked_until=None if v.lease is None else DatabaseNow() + v.lease,
+                response_status=None,
+                response_headers={},
+                response_body=None,
+                created_at=DatabaseNow(),
+                completed_at=None,
+                expires_at=DatabaseNow() + v.ttl,
+            )
+            if self.connection.vendor != "mysql"
+            else self._update_mysql_nowait(v, existing)
+        )
+        return ClaimResult(existing.id if taken else None, existing)
+
+    def _update_mysql_nowait(self, v: _ClaimValues, existing: Existing) -> int:
+        t = self._table()
+        now = "UTC_TIMESTAMP(6)"
+        sql = f"""
+            SET STATEMENT innodb_lock_wait_timeout=0 FOR
+            UPDATE {t} SET fingerprint = %s, method = %s, path = %s, state = '{IN_PROGRESS}',
+                token = %s, locked_until = {now} + INTERVAL %s MICROSECOND,
+                response_status = NULL, response_headers = '{{}}', response_body = NULL,
+                created_at = {now}, completed_at = NULL,
+                expires_at = {now} + INTERVAL %s MICROSECOND
+            WHERE id = %s AND token = %s
+        """
+        params: list[Any] = [v.fingerprint, v.method, v.path, v.token.hex, _microseconds(v.lease)]
+        params += [_microseconds(v.ttl), existing.id, existing.token.hex]
+        with self.connection.cursor() as cursor:
+            try:
+                cursor.execute(sql, params)
+            except OperationalError as exc:
+                code = _mysql_errno(exc)
+                if code not in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+                    raise
+                self._after_mysql_lock_error(code)
+                return 0
+            return int(cursor.rowcount)
+
+    # -- complete and release ---------------------------------------------------------------
+
+    def complete(
+        self,
+        record_id: int,
+        token: uuid.UUID,
+        *,
+        status: int,
+        headers: dict[str, str],
+        body: bytes | None,
+    ) -> None:
+        """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record."""
+        updated = (
+            self._records()
+            .filter(pk=record_id, token=token, state=IN_PROGRESS)
+            .update(
+                state=COMPLETED,
+                locked_until=None,
+                response_status=status,
+                response_headers=headers,
+                response_body=body,
+                completed_at=DatabaseNow(),
+            )
+        )
+        if updated != 1:
+            raise StaleClaim(
+                f"Record {record_id} is no longer held by token {token}: its lease ran out and "
+                "another request took it over, so this response was not stored."
+            )
+
+    def release(self, record_id: int, token: uuid.UUID) -> None:
+        """Delete an unfinished record so a retry executes afresh; checks ``token`` likewise."""
+        deleted, _ = self._records().filter(pk=record_id, token=token, state=IN_PROGRESS).delete()
+        if deleted != 1:
+            raise StaleClaim(
+                f"Record {record_id} is no longer held by token {token}; it was not released."
+            )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _records(self) -> Any:
+        return IdempotencyRecord._default_manager.db_manager(self.using).all()
+
+    def _table(self) -> str:
+        return self.connection.ops.quote_name(IdempotencyRecord._meta.db_table)
+
+    @staticmethod
+    def _existing(row: Sequence[Any]) -> Existing:
+        record_id, fingerprint, state, token, status, headers, body, expired, lease_live = row
+        if isinstance(headers, (str, bytes)):
+            headers = json.loads(headers)
+        return Existing(
+            id=int(record_id),
+            fingerprint=fingerprint,
+            state=state,
+            token=token if isinstance(token, uuid.UUID) else uuid.UUID(str(token)),
+            response_status=status,
+            response_headers=dict(headers or {}),
+            response_body=None if body is None else bytes(body),
+            expired=bool(expired),
+            lease_live=bool(lease_live),
+        )
+
+
+@dataclass(frozen=True)
+class _ClaimValues:
+    owner: str
+    key: str
+    fingerprint: str
+    method: str
+    path: str
+    token: uuid.UUID
+    ttl: timedelta
+    lease: timedelta | None
+
+
+def _sqlite_modifier(duration: timedelta | None) -> str | None:
+    seconds = _seconds(duration)
+    return None if seconds is None else f"{seconds:+.6f} seconds"
+
+
+def _mysql_errno(exc: DatabaseError) -> int | None:
+    cause = exc.__cause__ or exc
+    args = getattr(cause, "args", ())
+    return args[0] if args and isinstance(args[0], int) else None

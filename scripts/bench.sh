@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Every benchmark, side by side, against PostgreSQL at 127.0.0.1:5432 (make bench).
+#
+#   scripts/bench.sh [options]      e.g. scripts/bench.sh --rounds 5 --seconds 6
+#                                   scripts/bench.sh --help
+#
+# Creates its own environment, bench/.venv, with this package (editable) and the competitor
+# libraries (the "bench" extra in setup.cfg), so they never reach the test environment. Creates
+# and drops its own databases (idempotency_bench_*), prints a table and writes
+# bench/results/results.json. Redis (127.0.0.1:6379, database 13) backs django-idempotency-key.
+#
+# Environment: BENCH_PG_URL (default postgres://postgres@127.0.0.1:5432/postgres),
+#              BENCH_REDIS_URL (default redis://127.0.0.1:6379/13), PYTHON (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+venv=bench/.venv
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "== creating $venv"
+  "$PYTHON" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
+fi
+
+stamp="$venv/.installed"
+want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "== installing django-idempotency[bench,postgres] (editable) and the competitors into $venv"
+  "$venv/bin/python" -m pip install -q -e ".[bench,postgres]" 2> >(grep -v "is ignored" >&2)
+  echo "$want" > "$stamp"
+fi
+
+export PYTHONDONTWRITEBYTECODE=1
+exec "$venv/bin/python" -m bench "$@"

@@ -1,0 +1,204 @@
+"""Views that exist for the test suite: each execution writes one ``Effect`` row to count.
+
+Query parameters shared by the views that accept them:
+
+* ``status``: answer with this HTTP status instead of 201.
+* ``sleep``: seconds to sleep after writing the effect (at most 30), to hold the transaction.
+* With the environment variable ``PROBE_PID_DIR`` set (the gunicorn tests set it), the view
+  writes its process id to ``<PROBE_PID_DIR>/<key>.pid`` after the effect, so that a test can
+  SIGKILL the worker while it holds the transaction.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.utils.decorators import method_decorator
+from django.views import View
+from django.views.decorators.csrf import csrf_exempt
+from rest_framework import viewsets
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from django_idempotency import idempotent
+from testproject.shop.models import Effect
+
+MAX_SLEEP = 30.0
+
+
+def record_effect(request: HttpRequest | Request, name: str) -> Effect:
+    """Write the effect row, then honour ``sleep`` and ``PROBE_PID_DIR``."""
+    key = request.headers.get("Idempotency-Key", "")
+    effect = Effect.objects.create(name=name, payload=key[:255])
+    pid_dir = os.environ.get("PROBE_PID_DIR")
+    if pid_dir and key:
+        safe = re.sub(r"[^A-Za-z0-9_-]", "_", key)
+        Path(pid_dir, f"{safe}.pid").write_text(str(os.getpid()))
+    time.sleep(min(float(request.GET.get("sleep", 0) or 0), MAX_SLEEP))
+    return effect
+
+
+def effect_payload(request: HttpRequest | Request, effect: Effect) -> dict[str, Any]:
+    return {
+        "effect": effect.pk,
+        "nonce": uuid.uuid4().hex,
+        "pid": os.getpid(),
+        "user": str(request.user.pk) if getattr(request.user, "is_authenticated", False) else "",
+    }
+
+
+def effect_response(request: HttpRequest, effect: Effect) -> HttpResponse:
+    status = int(request.GET.get("status", 201))
+    response = JsonResponse(effect_payload(request, effect), status=status)
+    response["Location"] = f"/probe/effects/{effect.pk}"
+    response["X-Probe"] = "probe"
+    response["Cache-Control"] = "no-store"
+    response.set_cookie("probe_session", "secret-cookie")
+    return response
+
+
+@csrf_exempt
+@idempotent
+def effect(request: HttpRequest) -> HttpResponse:
+    """The all-purpose probe: one effect, then the status asked for."""
+    return effect_response(request, record_effect(request, "effect"))
+
+
+@csrf_exempt
+@idempotent(required=True)
+def required(request: HttpRequest) -> HttpResponse:
+    return effect_response(request, record_effect(request, "required"))
+
+
+@csrf_exempt
+@idempotent(methods=["PUT", "DELETE"], ttl=timedelta(minutes=5))
+def put_only(request: HttpRequest) -> HttpResponse:
+    return effect_response(request, record_effect(request, "put"))
+
+
+class ProbeError(RuntimeError):
+    pass
+
+
+@csrf_exempt
+@idempotent
+def raising(request: HttpRequest) -> HttpResponse:
+    record_effect(request, "raising")
+    raise ProbeError("the probe view raised on purpose")
+
+
+@csrf_exempt
+@idempotent
+def big(request: HttpRequest) -> HttpResponse:
+    record_effect(request, "big")
+    return HttpResponse(b"x" * int(request.GET.get("size", 0)), content_type="text/plain")
+
+
+@csrf_exempt
+@idempotent
+def streaming(request: HttpRequest) -> StreamingHttpResponse:
+    record_effect(request, "streaming")
+
+    def chunks() -> Iterator[bytes]:
+        yield b"streamed "
+        yield b"body"
+
+    return StreamingHttpResponse(chunks(), content_type="text/plain", status=201)
+
+
+@csrf_exempt
+@idempotent
+def nested_atomic(request: HttpRequest) -> HttpResponse:
+    """Opens its own atomic blocks, one of which fails and is caught."""
+    with transaction.atomic():
+        first = record_effect(request, "nested-outer")
+        try:
+            with transaction.atomic():
+                Effect.objects.create(name="nested-doomed")
+                raise IntegrityError("a caught failure inside the view")
+        except IntegrityError:
+            pass
+        with transaction.atomic():
+            Effect.objects.create(name="nested-inner")
+    return effect_response(request, first)
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent(required=True), name="post")
+class ClassBased(View):
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return effect_response(request, record_effect(request, "cbv"))
+
+
+class DrfApiView(APIView):
+    @idempotent(required=True)
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-apiview")
+        payload = {**effect_payload(request, effect), "echo": request.data}
+        return Response(payload, status=201, headers={"Location": f"/probe/effects/{effect.pk}"})
+
+
+class DrfViewSet(viewsets.ViewSet):
+    @idempotent
+    def create(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-viewset")
+        return Response({**effect_payload(request, effect), "echo": request.data}, status=201)
+
+
+@csrf_exempt
+@idempotent
+async def async_effect(request: HttpRequest) -> HttpResponse:
+    effect = await Effect.objects.acreate(
+        name="async", payload=request.headers.get("Idempotency-Key", "")[:255]
+    )
+    status = int(request.GET.get("status", 201))
+    if request.GET.get("raise"):
+        raise ProbeError("the async probe view raised on purpose")
+    return JsonResponse({"effect": effect.pk, "nonce": uuid.uuid4().hex}, status=status)
+
+
+@csrf_exempt
+@idempotent(atomic=False)
+def lease(request: HttpRequest) -> HttpResponse:
+    """Lease mode with ``IDEMPOTENCY["LEASE"]``; ``raise=1`` raises after the effect."""
+    effect = record_effect(request, "lease")
+    if request.GET.get("raise"):
+        raise ProbeError("the lease probe view raised on purpose")
+    return effect_response(request, effect)
+
+
+@csrf_exempt
+@idempotent(atomic=False, lease=timedelta(seconds=3))
+def lease_short(request: HttpRequest) -> HttpResponse:
+    """Lease mode with a three-second lease, for the gunicorn crash test."""
+    return effect_response(request, record_effect(request, "lease-short"))
+
+
+@csrf_exempt
+def undecorated(request: HttpRequest) -> HttpResponse:
+    """For the middleware (and the bare-view comparison): no decorator."""
+    return effect_response(request, record_effect(request, "undecorated"))
+
+
+@csrf_exempt
+def undecorated_raising(request: HttpRequest) -> HttpResponse:
+    record_effect(request, "undecorated-raising")
+    raise ProbeError("the undecorated probe view raised on purpose")
+
+
+@csrf_exempt
+async def undecorated_async(request: HttpRequest) -> HttpResponse:
+    effect = await Effect.objects.acreate(
+        name="undecorated-async", payload=request.headers.get("Idempotency-Key", "")[:255]
+    )
+    return JsonResponse({"effect": effect.pk, "nonce": uuid.uuid4().hex}, status=201)

@@ -1,0 +1,142 @@
+"""The test project's Celery consumers.
+
+* ``billing.apply_order_confirmed`` is the demo's billing consumer: it writes one
+  :class:`~testproject.shop.models.LedgerEntry` per ``OrderConfirmed`` event.
+* The ``shop.*`` tasks exist for the worker tests (``tests/test_celery_worker.py``): each writes one
+  :class:`~testproject.shop.models.Effect` row per execution of its body, named after its
+  consumer, with the event id as payload, and some of them fail or kill their own worker process
+  on purpose. The killing ones refuse to run eagerly, so they can never kill a test process or a
+  web server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import shared_task
+from django.db import transaction
+
+from django_idempotency.celery import IdempotentConsumer
+from testproject.shop.models import Effect, LedgerEntry
+
+
+@shared_task(
+    base=IdempotentConsumer, bind=True, name="billing.apply_order_confirmed", consumer="billing.ledger"
+)
+def apply_order_confirmed(self: IdempotentConsumer, event: dict[str, Any]) -> int:
+    """Apply an ``OrderConfirmed`` event to the ledger, once per event id.
+
+    ``event`` is the event payload, a JSON object::
+
+        {"event_id": "<uuid>", "order_id": <Order pk>, "amount_cents": <int>}
+
+    Publish it from the transaction that confirms the order, so that it leaves only if that
+    transaction commits::
+
+        from django_idempotency import new_event_id
+        from testproject.shop.tasks import apply_order_confirmed
+
+        with transaction.atomic():
+            order = Order.objects.create(...)
+            apply_order_confirmed.delay_on_commit(
+                {"event_id": str(new_event_id()), "order_id": order.pk,
+                 "amount_cents": order.amount_cents}
+            )
+
+    The consumer name is ``billing.ledger``: a redelivered or republished event with the same
+    ``event_id`` is skipped. Returns the new ledger entry's pk (None for a duplicate).
+    """
+    entry = LedgerEntry.objects.create(
+        order_id=int(event["order_id"]),
+        event_id=str(event["event_id"]),
+        amount_cents=int(event["amount_cents"]),
+    )
+    return entry.pk
+
+
+# --- Consumers for the worker tests -------------------------------------------------------------
+
+
+class TransientError(Exception):
+    """Raised once by ``shop.flaky_effect`` and retried by autoretry."""
+
+
+def _effect(task: IdempotentConsumer) -> None:
+    Effect.objects.create(name=task.consumer_name, payload=task.request.event_id)
+
+
+def _first_time(marker: str) -> bool:
+    """True the first time it is called with ``marker`` (a file path), False afterwards."""
+    try:
+        Path(marker).touch(exist_ok=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _kill_own_process(task: IdempotentConsumer) -> None:
+    if task.request.is_eager or task.request.called_directly:
+        raise RuntimeError(f"{task.name} kills its worker process; it never runs eagerly.")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.effect")
+def effect(self: IdempotentConsumer, event_id: str | None = None, sleep: float = 0.0) -> str:
+    """Write one Effect. ``sleep`` holds the transaction open, so duplicates contend."""
+    _effect(self)
+    if sleep:
+        time.sleep(sleep)
+    return "applied"
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.effect_audit", consumer="shop.audit")
+def effect_audit(self: IdempotentConsumer, event_id: str | None = None) -> str:
+    """A second consumer of the same events, under its own consumer name."""
+    _effect(self)
+    return "applied"
+
+
+@shared_task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="shop.flaky_effect",
+    autoretry_for=(TransientError,),
+    max_retries=3,
+    default_retry_delay=0,
+)
+def flaky_effect(self: IdempotentConsumer, event_id: str, marker: str) -> str:
+    """Write an Effect, then fail the first time; autoretry runs it again."""
+    _effect(self)
+    if _first_time(marker):
+        raise TransientError(f"first attempt of {event_id} fails")
+    return "applied"
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.crash_before_commit")
+def crash_before_commit(self: IdempotentConsumer, event_id: str, marker: str) -> str:
+    """Write an Effect, then SIGKILL the worker child mid-transaction the first time."""
+    _effect(self)
+    if _first_time(marker):
+        _kill_own_process(self)
+    return "applied"
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.crash_after_commit")
+def crash_after_commit(self: IdempotentConsumer, event_id: str, marker: str) -> str:
+    """Write an Effect; the first time, SIGKILL the child after the commit and before the ack."""
+    _effect(self)
+    if _first_time(marker):
+        transaction.on_commit(lambda: _kill_own_process(self))
+    return "applied"
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.poison", max_deliveries=2)
+def poison(self: IdempotentConsumer, event_id: str) -> str:
+    """Kill the worker child every time: parked after 2 deliveries."""
+    _effect(self)
+    _kill_own_process(self)
+    return "unreachable"

@@ -1,0 +1,60 @@
+"""Helpers for the HTTP tests: post to the probe views and count their effects."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.http.response import HttpResponseBase
+from django.test import Client
+
+from testproject.shop.models import Effect
+
+PROBLEM = "application/problem+json"
+
+
+def post(
+    client: Client,
+    url: str,
+    key: str | None = None,
+    data: Any = None,
+    *,
+    method: str = "post",
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    content_type: str = "application/json",
+) -> HttpResponseBase:
+    """Send ``data`` as JSON (or ``raw`` bytes) with an ``Idempotency-Key`` header."""
+    all_headers = dict(headers or {})
+    if key is not None:
+        all_headers["Idempotency-Key"] = key
+    body = raw if raw is not None else json.dumps({} if data is None else data)
+    response: HttpResponseBase = getattr(client, method)(
+        url, data=body, content_type=content_type, headers=all_headers
+    )
+    return response
+
+
+def effects(name: str | None = None, key: str | None = None) -> int:
+    queryset = Effect.objects.all()
+    if name is not None:
+        queryset = queryset.filter(name=name)
+    if key is not None:
+        queryset = queryset.filter(payload=key)
+    return queryset.count()
+
+
+def problem(response: HttpResponseBase, status: int) -> dict[str, Any]:
+    """Assert ``response`` is an RFC 9457 problem with ``status``; return its body."""
+    assert response.status_code == status, (response.status_code, getattr(response, "content", b""))
+    assert response["Content-Type"] == PROBLEM
+    body: dict[str, Any] = json.loads(response.content)  # type: ignore[attr-defined]
+    assert body["status"] == status
+    assert body["type"].startswith("https://")
+    assert body["title"] and body["detail"]
+    return body
+
+
+def body(response: HttpResponseBase) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(response.content)  # type: ignore[attr-defined]
+    return result

@@ -1,0 +1,184 @@
+"""Keeps bench/ from rotting: the benchmark project, load generator and report, in seconds.
+
+No timing is asserted and no competitor library is needed: the benchmark project runs its ``app``
+variant (this app and the bare views) on a scratch SQLite file in a subprocess, since it has its
+own settings. The real benchmark is ``make bench`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bench import run
+from bench.loadgen import Target, race, run_load
+
+pytestmark = pytest.mark.sqlite  # no database of the suite is used; once per run is enough
+
+REPO = Path(__file__).resolve().parent.parent
+
+IN_PROCESS = r"""
+import json, sys
+from bench.benchproject.prepare import prepare
+prepare()
+from django.test import Client
+from bench.benchproject.models import Effect
+
+client = Client(HTTP_AUTHORIZATION="Bearer bench")
+body = json.dumps({"amount_cents": 1250})
+out = {}
+for name, path, key in [
+    ("bare", "/bare/", None),
+    ("bare-drf", "/bare-drf/", None),
+    ("app-first", "/app/", "smoke-key-1"),
+    ("app-replay", "/app/", "smoke-key-1"),
+]:
+    extra = {"HTTP_IDEMPOTENCY_KEY": key} if key else {}
+    response = client.post(path, body, content_type="application/json", **extra)
+    out[name] = {
+        "status": response.status_code,
+        "body": response.content.decode(),
+        "replayed": response.headers.get("Idempotent-Replayed"),
+        "statements": response.headers.get("X-Bench-Statements"),
+    }
+out["effects"] = {n: Effect.objects.filter(name=n).count() for n in ("bare", "bare-drf", "app")}
+print(json.dumps(out))
+"""
+
+
+def bench_env(tmp_path: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "DJANGO_SETTINGS_MODULE": "bench.benchproject.settings",
+            "BENCH_VARIANT": "app",
+            "BENCH_DATABASE_URL": f"sqlite:///{tmp_path / 'bench.sqlite3'}",
+            "PYTHONPATH": str(REPO),
+        }
+    )
+    return env
+
+
+def run_python(args: list[str], env: dict[str, str]) -> str:
+    done = subprocess.run(
+        [sys.executable, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_app_variant_views_answer_and_replay(tmp_path: Path) -> None:
+    out = json.loads(run_python(["-c", IN_PROCESS], bench_env(tmp_path)).splitlines()[-1])
+
+    for name in ("bare", "bare-drf", "app-first", "app-replay"):
+        assert out[name]["status"] == 201, (name, out[name])
+        assert out[name]["statements"] is not None, name
+    assert out["app-replay"]["replayed"] == "true"
+    assert out["app-replay"]["body"] == out["app-first"]["body"]
+    assert out["effects"] == {"bare": 1, "bare-drf": 1, "app": 1}
+
+
+def test_consumer_benchmark_runs(tmp_path: Path) -> None:
+    env = bench_env(tmp_path)
+    run_python(["-m", "bench.benchproject.prepare"], env)
+
+    result = json.loads(
+        run_python(["-m", "bench.consumer", "--events", "5", "--rounds", "1"], env).splitlines()[
+            -1
+        ]
+    )
+
+    rows = {row["row"]: row for row in result["rows"]}
+    assert {"effect alone", "try_reserve + effect", "duplicate (try_reserve)"} <= set(rows)
+    for name, row in rows.items():
+        assert "error" not in row, (name, row)
+        assert row["statements"] >= 1, (name, row)
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Answers every POST 201 with a statement count, as the benchmark project does."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        body = json.dumps({"key": self.headers.get("Idempotency-Key")}).encode()
+        self.send_response(201)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Bench-Statements", "3/1")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[ThreadingHTTPServer]:
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_load_generator_counts_answers_and_statements(server: ThreadingHTTPServer) -> None:
+    target = Target("127.0.0.1", server.server_address[1], "/x/", timeout=5)
+
+    result = run_load(target, clients=2, seconds=0.3, mode="replay", max_requests=40)
+
+    assert 0 < result.requests <= 40
+    assert result.statuses == {201: result.requests}
+    assert result.statements == {"201:3/1": result.requests}
+    assert not result.errors
+    answers = race(target, duplicates=4, key="same")
+    assert [getattr(a, "status", a) for a in answers] == [201] * 4
+    assert {getattr(a, "body", b"") for a in answers} == {b'{"key": "same"}'}
+
+
+def test_report_renders_targets_from_figures() -> None:
+    results = {
+        "http": [
+            {
+                "row": "app-first",
+                "label": "this app, first execution",
+                "clients": 8,
+                "rps": 100.0,
+                "p50_ms": 2.0,
+                "p99_ms": 4.0,
+                "p50_ratio": 1.5,
+                "rps_ratio": 0.7,
+                "statements": 5,
+                "statements_added": 3,
+                "ok_share": 1.0,
+                "statuses": {"201": 10},
+                "baseline": "bare",
+            }
+        ],
+        "race": [{"variant": "app", "effects": 1}],
+        "consumer": {"rows": [{"row": "duplicate (try_reserve)", "statements": 1}]},
+    }
+
+    by_name = {t["target"]: t for t in run.targets(results)}
+
+    assert (
+        by_name["first execution p50 <= 1.25x the bare view's p50 (PostgreSQL, 8 clients)"]["met"]
+        is False
+    )
+    assert by_name["statements added on a first execution <= 2 (issue 3)"]["met"] is False
+    assert by_name["zero double effects under 16 concurrent duplicates (effects == 1)"]["met"]
+    assert by_name["a duplicate event costs one statement"]["met"] is True
+    assert (
+        by_name["a replay is faster than the bare view (p50 ratio < 1, 8 clients)"]["met"] is None
+    )
+    table = run.tables({"http": results["http"], "targets": run.targets(results)})
+    assert "| this app, first execution | 8 | 100 | 2.00 | 4.00 | 1.50x (bare) |" in table

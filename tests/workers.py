@@ -1,0 +1,234 @@
+"""Real Celery workers for the worker tests: start, wait until ready, publish, stop.
+
+Each worker is a ``celery -A testproject worker`` subprocess with the prefork pool, in its own
+process group, consuming one queue that no other test or helper uses. It talks to the pytest
+test database (``DATABASE_URL`` is built from the test connection's settings) and stores task
+results in Redis, so a test can wait for every message's final state, duplicates included,
+before it counts effects.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from celery import Celery
+from celery.result import AsyncResult
+from kombu import Exchange, Queue
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT_BACKEND = "redis://127.0.0.1:6379/14"
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 15.0
+
+
+def database_url(settings_dict: Mapping[str, Any]) -> str:
+    """A django-environ ``DATABASE_URL`` for the database ``settings_dict`` points at now."""
+    engine = settings_dict["ENGINE"]
+    name = str(settings_dict["NAME"])
+    if engine == "django.db.backends.sqlite3":
+        return f"sqlite:///{name}"
+    scheme = {
+        "django.db.backends.postgresql": "postgres",
+        "django.db.backends.mysql": "mysql",
+    }[engine]
+    user = quote(settings_dict.get("USER") or "")
+    password = settings_dict.get("PASSWORD") or ""
+    auth = f"{user}:{quote(password)}@" if password else f"{user}@" if user else ""
+    host = settings_dict.get("HOST") or "127.0.0.1"
+    port = f":{settings_dict['PORT']}" if settings_dict.get("PORT") else ""
+    return f"{scheme}://{auth}{host}{port}/{name}"
+
+
+@dataclass
+class Worker:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@dataclass
+class WorkerGroup:
+    """Workers sharing one queue, and a publisher for it."""
+
+    broker_url: str
+    queue: str
+    workers: list[Worker] = field(default_factory=list)
+    publisher: Celery | None = None
+
+    def publish(
+        self,
+        task: str,
+        *,
+        args: Iterable[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        headers: Mapping[str, Any] | None = None,
+        producer: Any = None,
+    ) -> AsyncResult[Any]:
+        assert self.publisher is not None
+        return self.publisher.send_task(
+            task,
+            args=tuple(args),
+            kwargs=dict(kwargs or {}),
+            queue=self.queue,
+            headers=dict(headers or {}),
+            producer=producer,
+        )
+
+    @contextmanager
+    def producer(self) -> Iterator[Any]:
+        """One connection for many publishes (send_task(..., producer=...))."""
+        assert self.publisher is not None
+        with self.publisher.producer_or_acquire() as producer:
+            yield producer
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {w.name} ---\n{w.output()[-6000:]}" for w in self.workers)
+
+
+def new_queue_name(label: str) -> str:
+    return f"idem-test-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def start_worker(
+    *,
+    broker_url: str,
+    queue: str,
+    db_url: str,
+    name: str,
+    log_dir: Path,
+    concurrency: int = 4,
+    prefetch_multiplier: int = 1,
+) -> Worker:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": db_url,
+        "CELERY_BROKER_URL": broker_url,
+        "CELERY_RESULT_BACKEND": RESULT_BACKEND,
+        "CELERY_TASK_ALWAYS_EAGER": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("COV_CORE_SOURCE", None)  # no coverage tracing in the workers: it is only slower
+    log = log_dir / f"{name}.log"
+    command = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "testproject",
+        "worker",
+        "-P",
+        "prefork",
+        "-c",
+        str(concurrency),
+        "-Q",
+        queue,
+        "-n",
+        f"{name}@%h",
+        "--prefetch-multiplier",
+        str(prefetch_multiplier),
+        "--without-heartbeat",
+        "--without-gossip",
+        "--without-mingle",
+        "-l",
+        "INFO",
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stop() ends the pool children too
+        )
+    return Worker(name, process, log)
+
+
+def wait_ready(workers: Iterable[Worker], timeout: float = READY_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        while " ready." not in worker.output():
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"worker {worker.name} exited:\n{worker.output()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {worker.name} not ready:\n{worker.output()}")
+            time.sleep(0.1)
+
+
+def stop_worker(worker: Worker, timeout: float = STOP_TIMEOUT) -> None:
+    """Cold-stop the worker (SIGQUIT), then SIGKILL its process group if it lingers."""
+    process = worker.process
+    if process.poll() is None:
+        with suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGQUIT)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # the group we created; its pool children
+    with suppress(subprocess.TimeoutExpired):
+        process.wait(5)
+
+
+def delete_queue(broker_url: str, queue: str) -> None:
+    app = Celery("cleanup", broker=broker_url, set_as_current=False)
+    with app.connection_for_write() as connection:
+        channel = connection.default_channel
+        exchange = Exchange(queue, type="direct")
+        Queue(queue, exchange, routing_key=queue).bind(channel).delete()
+        with suppress(Exception):
+            exchange.bind(channel).delete()
+
+
+@contextmanager
+def worker_group(
+    *,
+    broker_url: str,
+    db_url: str,
+    log_dir: Path,
+    label: str,
+    workers: int = 2,
+    concurrency: int = 4,
+) -> Iterator[WorkerGroup]:
+    """Start ``workers`` worker processes on a new queue; stop them and delete the queue after."""
+    queue = new_queue_name(label)
+    group = WorkerGroup(broker_url, queue)
+    group.publisher = Celery(
+        "publisher", broker=broker_url, backend=RESULT_BACKEND, set_as_current=False
+    )
+    group.publisher.conf.update(task_create_missing_queues=True, broker_connection_retry=False)
+    try:
+        for index in range(workers):
+            group.workers.append(
+                start_worker(
+                    broker_url=broker_url,
+                    queue=queue,
+                    db_url=db_url,
+                    name=f"{label}{index}-{uuid.uuid4().hex[:6]}",
+                    log_dir=log_dir,
+                    concurrency=concurrency,
+                )
+            )
+        wait_ready(group.workers)
+        yield group
+    finally:
+        for worker in group.workers:
+            stop_worker(worker)
+        delete_queue(broker_url, queue)
+        group.publisher.close()
