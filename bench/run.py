@@ -67,6 +67,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "django": django.get_version(),
         "platform": platform.platform(),
+        # The machine is shared: a load average well above 0 means other work ran alongside.
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -223,6 +225,15 @@ def _target(name: str, value: Any, ok: Callable[[Any], bool], unit: str = "") ->
 
 def tables(results: dict[str, Any]) -> str:
     lines: list[str] = []
+    m = results.get("machine")
+    if m:
+        lines += [
+            f"Machine: {m['cores']} cores, {m['cpu_model']}, {m['memory_gib']} GiB;"
+            f" PostgreSQL {m['postgresql']}; Python {m['python']}; Django {m['django']};"
+            f" load average {m['loadavg_at_start']} at start,"
+            f" {m.get('loadavg_at_end', '?')} at end.",
+            "",
+        ]
     if results.get("http"):
         lines += [
             "### HTTP (gunicorn, PostgreSQL)",
@@ -427,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results["purge"] = run_purge(args.quick, problems)
 
     results["targets"] = targets(results)
+    results["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     results["seconds"] = round(time.monotonic() - started, 1)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ page is therefore read-only (rows can be deleted), and each list page stays chea
 * the default ordering, and every sortable column, is backed by an index;
 * the filter choices for free-text columns (path, consumer, topic) come from a bounded sample of
   the newest rows, never from a ``DISTINCT`` over the whole table;
+* the date hierarchy comes from one indexed ``MIN``/``MAX`` query
+  (:mod:`django_idempotency.templatetags.idempotency_admin`), not a ``DISTINCT`` over the table;
 * search is an exact match, never a ``LIKE '%...%'`` scan;
 * the list never loads stored response bodies, and there are no related-object queries (N+1).
 """

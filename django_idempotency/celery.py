@@ -9,8 +9,8 @@
         LedgerEntry.objects.create(...)
 
 The behaviour lives in :class:`IdempotentConsumerMixin`, to combine with a project's own Task
-base (``class MyConsumer(IdempotentConsumerMixin, TracingTask)``); :class:`IdempotentConsumer` is
-the ready-made class. It wraps ``__call__`` (``before_start`` cannot hold a transaction open around
+base (``class MyConsumer(IdempotentConsumerMixin, TracingTask)``: the mixin first, or it raises
+``TypeError``); :class:`IdempotentConsumer` is the ready-made class. It wraps ``__call__`` (``before_start`` cannot hold a transaction open around
 the body) and hands each call to :func:`django_idempotency.events.process_event`.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
+from celery.app.task import Task as CeleryTask
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Reject
 from django.db import OperationalError
@@ -99,6 +100,16 @@ class IdempotentConsumerMixin(_TaskBase):
 
     acks_late = True
     reject_on_worker_lost = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if CeleryTask in mro and mro.index(CeleryTask) < mro.index(IdempotentConsumerMixin):
+            raise TypeError(
+                f"{cls.__qualname__} lists its Task base before IdempotentConsumerMixin, so the "
+                "mixin's __call__ would never run. Put the mixin first: "
+                f"class {cls.__name__}(IdempotentConsumerMixin, YourTaskBase)."
+            )
 
     @property
     def consumer_name(self) -> str:

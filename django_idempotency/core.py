@@ -58,6 +58,7 @@ from django_idempotency.store import ClaimResult, Existing, RecordStore
 logger = logging.getLogger("django_idempotency")
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 #: Key in ``response_headers`` marking a record whose response could not be stored. Header
 #: names cannot contain ``@``, so it never collides with a real header.
@@ -185,11 +186,11 @@ class Idempotency:
         The database work runs through ``sync_to_async(thread_sensitive=True)``, so it shares
         one thread (and so one connection and one transaction) with the view's own ORM calls.
         """
-        begin = sync_to_async(self._begin, thread_sensitive=True)
         deadline = time.monotonic() + self.policy.wait
         delay = _FIRST_POLL
         while True:
-            step = await begin(command, final=time.monotonic() >= deadline)
+            final = time.monotonic() >= deadline
+            step = await self._settle(command, self._begin, command, final=final)
             if step is not None:
                 break
             await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
@@ -200,12 +201,30 @@ class Idempotency:
             result = await view()
             captured = await sync_to_async(capture, thread_sensitive=True)(result)
         except BaseException:
-            await sync_to_async(self._abandon, thread_sensitive=True)(
-                command, step, sys.exc_info()
-            )
+            await self._settle(command, self._abandon, command, step, sys.exc_info())
             raise
-        await sync_to_async(self._finish, thread_sensitive=True)(command, step, captured)
+        await self._settle(command, self._finish, command, step, captured)
         return result
+
+    async def _settle(
+        self, command: Command, step: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """Run a database step on the request's sync thread, and let it settle if cancelled.
+
+        A thread cannot be interrupted: if the request is cancelled (the client went away)
+        while a step runs, the step still finishes. This waits for it before re-raising, and
+        abandons a claim it made, so no transaction is ever left open on the connection.
+        """
+        task = asyncio.ensure_future(sync_to_async(step, thread_sensitive=True)(*args, **kwargs))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task])
+            claim = None if task.cancelled() or task.exception() else task.result()
+            if isinstance(claim, _Claim):
+                abandon = sync_to_async(self._abandon, thread_sensitive=True)
+                await abandon(command, claim, sys.exc_info())
+            raise
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -365,10 +384,10 @@ class Idempotency:
     def _log(
         self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
     ) -> None:
-        details = " ".join(f"{name}={value}" for name, value in extra.items() if value is not None)
+        details = "".join(f" {name}={value}" for name, value in extra.items() if value is not None)
         logger.log(
             level,
-            "idempotency %s key=%s owner=%s method=%s path=%s %s",
+            "idempotency %s key=%s owner=%s method=%s path=%s%s",
             outcome,
             command.key,
             command.owner,

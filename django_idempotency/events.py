@@ -340,7 +340,7 @@ def _upsert_delivery(
                 f"{sql} ON CONFLICT ({target}) DO UPDATE SET "
                 f"{deliveries} = {table}.{deliveries} + 1, "
                 f"{last} = excluded.{last}, {expires} = excluded.{expires} "
-                f"RETURNING {deliveries}, {parked_at} IS NOT NULL",
+                f"RETURNING {deliveries}, {parked_at}",
                 params,
             )
             count, parked = cursor.fetchone()
@@ -352,7 +352,7 @@ def _upsert_delivery(
                 [*params, prepared["last_delivered_at"], prepared["expires_at"]],
             )
             cursor.execute(
-                f"SELECT {deliveries}, {parked_at} IS NOT NULL FROM {table} "
+                f"SELECT {deliveries}, {parked_at} FROM {table} "
                 f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s",
                 [prepared["consumer"], prepared["event_id"]],
             )
@@ -362,7 +362,9 @@ def _upsert_delivery(
                 f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, "
                 f"not {vendor!r}."
             )
-    return int(count), bool(parked)
+    # parked_at is tested here, not in SQL: SQLite 3.40 answers "parked_at IS NOT NULL" wrongly
+    # (true for a NULL) in the RETURNING clause of an upsert.
+    return int(count), parked is not None
 
 
 def _park(delivery: Delivery, using: str) -> bool:

@@ -140,14 +140,18 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         setattr(http_request, HANDLED, True)
         return exc.as_response()
     setattr(http_request, HANDLED, True)
-    path = http_request.get_full_path()
     return Command(
         owner=resolve_owner(request),
         key=key,
         method=method,
-        path=path,
+        # The record and the logs keep the path without its query string, which may carry
+        # secrets; the fingerprint covers the query string.
+        path=http_request.path,
         fingerprint=fingerprint(
-            method, path, http_request.body, http_request.headers.get("Content-Type")
+            method,
+            http_request.get_full_path(),
+            http_request.body,
+            http_request.headers.get("Content-Type"),
         ),
     )
 

@@ -16,8 +16,9 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
   not they are parked: a parked event stays parked (and visible in the admin) until its row
   expires, and a replay after that is counted afresh and can be parked again.
 * When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.partitioning`), its
-  ``delete_expired`` only deletes rows in the default partition; whole partitions are dropped by
-  :func:`~django_idempotency.partitioning.maintain`, which :func:`purge_all` runs too.
+  ``delete_expired`` only deletes rows in the timeless and default partitions; day or month
+  partitions are dropped whole by :func:`~django_idempotency.partitioning.maintain`, which
+  :func:`purge_all` runs too.
 
 :func:`purge_all` runs the purge over the three tables within one time budget; the Celery task
 and the ``idempotency_purge`` command are thin wrappers around it.
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -157,8 +158,8 @@ class ExpiringQuerySet(models.QuerySet[_M]):
 
         ``batch_size`` defaults to ``IDEMPOTENCY["PURGE_BATCH_SIZE"]`` and ``max_seconds`` to
         ``IDEMPOTENCY["PURGE_MAX_SECONDS"]`` (0: no limit; the budget is checked after each
-        batch, so at least one batch runs). A dry run counts the rows it would delete and deletes nothing. Filters on the
-        queryset narrow what is deleted.
+        batch, so at least one batch runs). A dry run counts the rows it would delete and
+        deletes nothing. Filters on the queryset narrow what is deleted.
         """
         size = _batch_size(batch_size)
         budget = _max_seconds(max_seconds)
@@ -295,10 +296,10 @@ class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
         if not partitioning.is_partitioned(alias):
             return super().delete_expired(batch_size, max_seconds, dry_run)
         # Range partitions are dropped whole by partitioning.maintain(); rows only need
-        # deleting one by one in the default partition (ids without time, late events).
-        return partitioning.purge_default_partition(
+        # deleting one by one in the timeless and default partitions (ids without time, late
+        # events). Filters on the queryset do not apply there.
+        return partitioning.purge_row_partitions(
             alias,
-            partitioning.default_partition(alias),
             batch_size=_batch_size(batch_size),
             max_seconds=_max_seconds(max_seconds),
             dry_run=dry_run,
@@ -342,6 +343,6 @@ def purge_all(
         result = manager.delete_expired(batch_size=size, max_seconds=share, dry_run=dry_run)
         if manager.model is ProcessedEvent and partitioning.is_partitioned(conf.DATABASE):
             maintenance = partitioning.maintain(conf.DATABASE, dry_run=dry_run)
-            result = PurgeResult(**{**result.__dict__, "partitions": maintenance})
+            result = replace(result, partitions=maintenance)
         results.append(result)
     return results

@@ -7,13 +7,14 @@ the partition key, ``occurred_at``, is taken from the event itself, the same on 
 1. the millisecond timestamp in a UUIDv7 event id (:func:`event_time`), else
 2. an event time the consumer supplies (``occurred_at=``, read from the message), else
 3. :data:`FALLBACK_TIME` (1970-01-01), for ids that carry no time and consumers that supply
-   none. No range partition covers 1970, so those rows live in the default partition and are
-   purged row by row, exactly as on the plain table.
+   none. Those rows live in the *timeless* partition (everything before 1970-01-02), which is
+   never dropped: its rows are purged one by one, exactly as on the plain table.
 
 The table is then unique on ``(consumer, event_id, occurred_at)``; because ``occurred_at`` is a
 function of the event, that is as strong as ``(consumer, event_id)``. A default partition
-catches rows that no range partition covers (fallback times, late events whose partition was
-dropped, clocks far ahead), so an insert never fails for want of a partition.
+catches rows that no range partition covers (late events whose partition was dropped, producer
+clocks far ahead), so an insert never fails for want of a partition; it is purged row by row
+too, and stays small, so creating a partition (which scans it) stays cheap.
 
 The conversion is in place: the table keeps its name, so the ORM, the admin and the purge keep
 working. ``try_reserve`` must add ``occurred_at`` to its insert and its conflict target when
@@ -45,6 +46,8 @@ PARTITION_COLUMN = "occurred_at"
 """The partition key column added by :func:`convert`."""
 FALLBACK_TIME = datetime(1970, 1, 1, tzinfo=UTC)
 """The partition key of an event whose id carries no time and whose consumer supplies none."""
+TIMELESS_END = datetime(1970, 1, 2, tzinfo=UTC)
+"""The upper bound of the timeless partition, which starts at ``MINVALUE``."""
 AHEAD = {"day": 7, "month": 2}
 """How many partitions beyond the current one :func:`ensure_partitions` keeps ready."""
 LOCK_TIMEOUT = "2s"
@@ -136,7 +139,7 @@ def event_insert(event_id: str | uuid.UUID, occurred_at: datetime | None = None)
 class Partition:
     name: str
     start: datetime | None
-    """Inclusive lower bound; None for the default partition."""
+    """Inclusive lower bound; None for the default and the timeless partition (MINVALUE)."""
     end: datetime | None
     """Exclusive upper bound; None for the default partition."""
     approx_rows: int
@@ -144,6 +147,11 @@ class Partition:
     @property
     def is_default(self) -> bool:
         return self.start is None and self.end is None
+
+    @property
+    def is_range(self) -> bool:
+        """A partition of one day or month: created ahead, dropped when expired."""
+        return self.start is not None and self.end is not None
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,11 @@ def default_partition(alias: str) -> str | None:
         if partition.is_default:
             return partition.name
     return None
+
+
+def row_purged_partitions(alias: str) -> list[str]:
+    """The partitions whose expired rows are deleted one by one: timeless and default."""
+    return [p.name for p in partitions(alias) if not p.is_range]
 
 
 def database_now(alias: str) -> datetime:
@@ -343,6 +356,10 @@ def convert(
             f"SET DEFAULT nextval('{q(sequence + '__p')}'::regclass)"
         )
         cursor.execute(f"CREATE TABLE {q(table + '_default')} PARTITION OF {q(new)} DEFAULT")
+        cursor.execute(
+            f"CREATE TABLE {q(table + '_timeless')} PARTITION OF {q(new)} "
+            f"FOR VALUES FROM (MINVALUE) TO ({_literal(TIMELESS_END)})"
+        )
         start = floor(moment - conf.EVENT_TTL, width)
         end = _horizon(moment, width, ahead)
         while start < end:
@@ -482,7 +499,7 @@ def ensure_partitions(
     require_postgresql(alias)
     width = _interval(interval)
     moment = now or database_now(alias)
-    existing = [p for p in partitions(alias) if not p.is_default]
+    existing = [p for p in partitions(alias) if p.is_range]
     if not existing and not is_partitioned(alias):
         raise ImproperlyConfigured(
             f"{_table()} is not partitioned; run `manage.py idempotency_partitions convert` first."
@@ -496,24 +513,34 @@ def ensure_partitions(
         start = max(existing[-1].end, oldest_useful)
     else:
         start = floor(moment, width)
-    taken = [(p.start, p.end) for p in existing]
+    taken = [(p.start, p.end) for p in existing if p.start is not None and p.end is not None]
     created: list[str] = []
     while start < horizon:
         upper = next_bound(start, width)
-        if not any(
-            lo is not None and hi is not None and lo < upper and start < hi for lo, hi in taken
-        ):
+        if not any(lo < upper and start < hi for lo, hi in taken):
             name = partition_name(start)
             if not dry_run:
-                _attach_partition(alias, name, start, upper, lock_timeout)
+                try:
+                    if not _attach_partition(alias, name, start, upper, lock_timeout):
+                        start = upper
+                        continue  # another maintenance run made it meanwhile
+                except OperationalError as exc:
+                    if not _lock_not_available(exc):
+                        raise
+                    break  # busy: the next run goes on from here
             created.append(name)
         start = upper
     return created
 
 
+def _exists(cursor: CursorWrapper, name: str, quote: Any) -> bool:
+    cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [quote(name)])
+    return bool(cursor.fetchone()[0])
+
+
 def _attach_partition(
     alias: str, name: str, start: datetime, end: datetime, lock_timeout: str
-) -> None:
+) -> bool:
     connection = connections[alias]
     q = connection.ops.quote_name
     table = _table()
@@ -526,6 +553,8 @@ def _attach_partition(
         cursor.execute(f"LOCK TABLE ONLY {q(table)} IN SHARE UPDATE EXCLUSIVE MODE")
         if default is not None:
             cursor.execute(f"LOCK TABLE {q(default)} IN ACCESS EXCLUSIVE MODE")
+        if _exists(cursor, name, q):
+            return False
         cursor.execute(f"CREATE TABLE {q(name)} (LIKE {q(table)} INCLUDING DEFAULTS)")
         if default is not None:
             cursor.execute(
@@ -540,6 +569,7 @@ def _attach_partition(
             f"FOR VALUES FROM ({_literal(start)}) TO ({_literal(end)})"
         )
         cursor.execute(f"ALTER TABLE {q(name)} DROP CONSTRAINT {q(check)}")
+    return True
 
 
 def drop_expired_partitions(
@@ -564,7 +594,7 @@ def drop_expired_partitions(
     dropped_rows = 0
     kept: list[tuple[str, str]] = []
     for partition in partitions(alias):
-        if partition.is_default or partition.end is None or partition.end > cutoff:
+        if not partition.is_range or partition.end is None or partition.end > cutoff:
             continue
         live_until = _live_until(alias, partition.name)
         if live_until is not None and live_until > moment:
@@ -578,6 +608,8 @@ def drop_expired_partitions(
             with transaction.atomic(using=alias), connection.cursor() as cursor:
                 _lock_timeout(cursor, lock_timeout)
                 cursor.execute(f"LOCK TABLE ONLY {q(_table())} IN ACCESS EXCLUSIVE MODE")
+                if not _exists(cursor, partition.name, q):
+                    continue  # another maintenance run dropped it meanwhile
                 live_until = _live_until(alias, partition.name)
                 if live_until is not None and live_until > moment:
                     kept.append(
@@ -615,14 +647,9 @@ def maintain(
     lock_timeout: str = LOCK_TIMEOUT,
 ) -> MaintenanceResult:
     """Create partitions ahead, then drop expired ones; what the purge runs on this layout."""
-    try:
-        created = ensure_partitions(
-            alias, interval, ahead=ahead, now=now, dry_run=dry_run, lock_timeout=lock_timeout
-        )
-    except OperationalError as exc:
-        if not _lock_not_available(exc):
-            raise
-        created = []
+    created = ensure_partitions(
+        alias, interval, ahead=ahead, now=now, dry_run=dry_run, lock_timeout=lock_timeout
+    )
     dropped = drop_expired_partitions(alias, now=now, dry_run=dry_run, lock_timeout=lock_timeout)
     return MaintenanceResult(
         created=tuple(created),
@@ -633,49 +660,53 @@ def maintain(
     )
 
 
-def purge_default_partition(
+def purge_row_partitions(
     alias: str,
-    default: str | None,
     batch_size: int,
     max_seconds: float,
     dry_run: bool = False,
 ) -> PurgeResult:
-    """Delete expired rows of the default partition in batches (one statement each)."""
+    """Delete the expired rows of the timeless and the default partition, in batches.
+
+    Each batch is one statement (``DELETE ... WHERE id IN (SELECT ... FOR UPDATE SKIP
+    LOCKED)``) in its own transaction. Range partitions are left to
+    :func:`drop_expired_partitions`.
+    """
     from django_idempotency.models import ProcessedEvent
 
     label = ProcessedEvent._meta.label
     started = time.monotonic()
-    if default is None:
-        return PurgeResult(label, 0, 0, 0.0, finished=True, dry_run=dry_run)
     connection = connections[alias]
     q = connection.ops.quote_name
     expired = f"{q('expires_at')} < statement_timestamp()"
+    names = row_purged_partitions(alias)
     if dry_run:
+        count = 0
         with connection.cursor() as cursor:
-            cursor.execute(f"SELECT count(*) FROM {q(default)} WHERE {expired}")
-            count = int(cursor.fetchone()[0])
+            for name in names:
+                cursor.execute(f"SELECT count(*) FROM {q(name)} WHERE {expired}")
+                count += int(cursor.fetchone()[0])
         return PurgeResult(
-            label,
-            count,
-            -(-count // batch_size),
-            time.monotonic() - started,
-            finished=True,
-            dry_run=True,
+            label, count, -(-count // batch_size), time.monotonic() - started, True, True
         )
     deleted = batches = 0
-    while True:
-        with transaction.atomic(using=alias), connection.cursor() as cursor:
-            cursor.execute(
-                f"DELETE FROM {q(default)} WHERE {q('id')} IN ("
-                f"SELECT {q('id')} FROM {q(default)} WHERE {expired} "
-                f"ORDER BY {q('expires_at')} LIMIT %s FOR UPDATE SKIP LOCKED)",
-                [batch_size],
-            )
-            removed = cursor.rowcount
-        if removed:
-            batches += 1
-            deleted += removed
-        finished = removed < batch_size
-        if finished or (max_seconds and time.monotonic() - started >= max_seconds):
+    finished = True
+    for name in names:
+        while True:
+            with transaction.atomic(using=alias), connection.cursor() as cursor:
+                cursor.execute(
+                    f"DELETE FROM {q(name)} WHERE {q('id')} IN ("
+                    f"SELECT {q('id')} FROM {q(name)} WHERE {expired} "
+                    f"ORDER BY {q('expires_at')} LIMIT %s FOR UPDATE SKIP LOCKED)",
+                    [batch_size],
+                )
+                removed = cursor.rowcount
+            if removed:
+                batches += 1
+                deleted += removed
+            finished = removed < batch_size
+            if finished or (max_seconds and time.monotonic() - started >= max_seconds):
+                break
+        if not finished:
             break
     return PurgeResult(label, deleted, batches, time.monotonic() - started, finished=finished)

@@ -66,6 +66,13 @@ python scripts/check_wheel.py "$wheel_dir"/django_idempotency-*.whl || fail "whe
 markexpr=()
 [ "${QUICK:-0}" = 1 ] && markexpr=(-m "not slow")
 
+# The browser test drives Debian's chromium (never a Playwright download); install it if we can.
+if [ "${QUICK:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then
+  step "chromium for the browser test"
+  # On failure the browser test itself skips loudly, or fails under REQUIRE_SERVICES=1.
+  scripts/install-chromium.sh || echo "!! chromium could not be installed: see the browser test"
+fi
+
 declare -A db_url=(
   [sqlite]=""
   [postgres]="postgres://postgres@127.0.0.1:5432/postgres"

@@ -46,7 +46,10 @@ def effects(name: str | None = None, key: str | None = None) -> int:
 
 def problem(response: HttpResponseBase, status: int) -> dict[str, Any]:
     """Assert ``response`` is an RFC 9457 problem with ``status``; return its body."""
-    assert response.status_code == status, (response.status_code, getattr(response, "content", b""))
+    assert response.status_code == status, (
+        response.status_code,
+        getattr(response, "content", b""),
+    )
     assert response["Content-Type"] == PROBLEM
     body: dict[str, Any] = json.loads(response.content)  # type: ignore[attr-defined]
     assert body["status"] == status

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.contrib.admin.sites import site
 from django.db import connection
 from django.test import Client
@@ -140,6 +141,11 @@ def test_preview_truncates_long_text() -> None:
     assert len(preview.text) == PREVIEW_CHARS
 
 
+def test_preview_falls_back_to_utf8_for_an_unknown_charset() -> None:
+    preview = preview_body("é".encode(), "text/plain; charset=no-such-charset")
+    assert (preview.kind, preview.text) == ("text", "é")
+
+
 def test_preview_of_no_body_and_empty_body() -> None:
     assert preview_body(None).kind == "none"
     assert preview_body(b"").kind == "empty"
@@ -182,7 +188,7 @@ def test_record_list_has_no_add_button_and_only_indexed_sorting(admin_client: Cl
     assert model_admin.ordering == ("-created_at",)
 
 
-def test_record_filters(admin_client: Client) -> None:
+def test_record_filters(admin_client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     make_record("ok", status=201)
     make_record("bad", status=422, path="/api/payments/")
     make_record("running", status=None, body=None)
@@ -204,6 +210,13 @@ def test_record_filters(admin_client: Client) -> None:
     # The path filter offers the paths it saw in the newest rows.
     content = admin_client.get(RECORDS).content.decode()
     assert "?path=%2Fapi%2Fpayments%2F" in content
+    # A path outside the sampled choices still filters, and is offered while selected.
+    make_record("rare", path="/api/rare/")
+    monkeypatch.setattr(idem_admin, "RECENT_SAMPLE", 1)
+    make_record("newest", path="/api/orders/")
+    content = admin_client.get(RECORDS, {"path": "/api/payments/"}).content.decode()
+    assert "?path=%2Fapi%2Fpayments%2F" in content
+    assert "?path=%2Fapi%2Frare%2F" not in content
 
 
 def test_record_search_is_exact_on_key_and_owner(admin_client: Client) -> None:
@@ -437,6 +450,20 @@ def test_purge_button_purges_without_a_selection(admin_client: Client) -> None:
     assert response.redirect_chain[-1][0] == RECORDS
     assert "Purged 2 expired idempotency records." in response.content.decode()
     assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["live"]
+
+
+def test_purge_that_runs_out_of_time_says_more_remain(
+    admin_client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for number in range(3):
+        make_record(f"expired-{number}", expires_in=timedelta(seconds=-1))
+    monkeypatch.setattr(idem_admin, "ADMIN_PURGE_SECONDS", 1e-9)
+    monkeypatch.setitem(settings.IDEMPOTENCY, "PURGE_BATCH_SIZE", 1)
+    url = reverse("admin:django_idempotency_idempotencyrecord_purge_expired")
+    content = admin_client.post(url, follow=True).content.decode()
+    assert "Purged 1 expired idempotency record." in content
+    assert "More expired idempotency records remain" in content
+    assert IdempotencyRecord.objects.count() == 2
 
 
 def test_purge_needs_delete_permission(client: Client, django_user_model: Any) -> None:

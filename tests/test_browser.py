@@ -5,8 +5,8 @@ downloaded (``playwright install`` is not used). When ``/usr/bin/chromium`` is m
 runs scripts/install-chromium.sh (root and apt-get needed); if that is impossible it is skipped
 loudly, or fails when ``REQUIRE_SERVICES=1``.
 
-The screenshots land in docs/img/ (admin-records.png, admin-record-detail.png,
-admin-events.png), which docs/admin.md shows.
+It runs in the SQLite pass only. The screenshots land in docs/img/ (admin-records.png,
+admin-record-detail.png, admin-events.png), which docs/admin.md shows.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.conftest import REQUIRE_SERVICES, UNREACHABLE
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.browser,
+    pytest.mark.sqlite,  # once per run is enough: tests/test_admin.py covers every database
     pytest.mark.django_db(transaction=True),
     pytest.mark.timeout(180),
 ]

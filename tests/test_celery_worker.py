@@ -13,8 +13,9 @@ Where each proof runs:
   errno 1062, the counting upsert) do not depend on the broker, and the broker behaviours
   (redelivery after a lost child, reject without requeue) are already proven on both brokers in
   the PostgreSQL pass; running them twice more would only cost time.
-* SQLite pass: a small subset (``SQLITE_SUBSET``) on Redis: SQLite is a development database, and
-  the concurrency and volume proofs are about what a production database does under contention.
+* SQLite pass: every proof but the volume one, on Redis only. SQLite is a development database
+  that serializes all writers (every worker waits on one file lock), which the proofs survive,
+  but 4,000 messages take over a minute.
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ from tests.workers import WorkerGroup, database_url, worker_group
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 RESULT_TIMEOUT = 60.0
-SQLITE_SUBSET = {
-    "test_same_event_published_twice_gives_one_effect",
-    "test_worker_child_killed_mid_task_is_redelivered_and_applied_once",
-    "test_poison_message_is_parked_and_the_worker_goes_on",
+SQLITE_SKIPS = {
+    "test_two_thousand_events_delivered_twice_give_two_thousand_effects": (
+        "SQLite pass: the volume proof runs on PostgreSQL and MariaDB; SQLite serializes every "
+        "writer, and 4,000 messages take over a minute there"
+    ),
 }
 
 
@@ -58,7 +60,7 @@ def workers(
     if connection.vendor == "mysql" and broker != "redis":
         pytest.skip("MariaDB pass: worker proofs run on Redis only (see the module docstring)")
     if connection.vendor == "sqlite" and broker != "redis":
-        pytest.skip("SQLite pass: a subset of the worker proofs runs on Redis only")
+        pytest.skip("SQLite pass: worker proofs run on Redis only (see the module docstring)")
     require_service(broker)
     require_service("redis")  # the result backend
     started = time.monotonic()
@@ -74,15 +76,17 @@ def workers(
 
 @pytest.fixture
 def group(workers: WorkerGroup, request: pytest.FixtureRequest) -> WorkerGroup:
-    if connection.vendor == "sqlite" and request.node.originalname not in SQLITE_SUBSET:
-        pytest.skip("SQLite pass: not in the worker subset (see the module docstring)")
+    if connection.vendor == "sqlite" and request.node.originalname in SQLITE_SKIPS:
+        pytest.skip(SQLITE_SKIPS[request.node.originalname])
     return workers
 
 
 def wait(group: WorkerGroup, results: list[Any], timeout: float = RESULT_TIMEOUT) -> list[Any]:
     """The final value of each result (the exception for a failed one), in order."""
     try:
-        return list(ResultSet(results).join_native(timeout=timeout, propagate=False))
+        return list(
+            ResultSet(results).join_native(timeout=timeout, propagate=False, interval=0.05)
+        )
     except TimeoutError:
         pytest.fail(f"messages not processed within {timeout}s\n{group.logs()}")
 
@@ -101,7 +105,9 @@ def test_same_event_published_twice_gives_one_effect(group: WorkerGroup) -> None
 
     assert Counter(wait(group, results)) == {"applied": 1, None: 1}
     assert effects("shop.effect", event_id) == 1
-    assert ProcessedEvent.objects.filter(consumer="shop.effect", event_id=str(event_id)).count() == 1
+    assert (
+        ProcessedEvent.objects.filter(consumer="shop.effect", event_id=str(event_id)).count() == 1
+    )
     assert deliveries("shop.effect", event_id).deliveries == 2
 
 

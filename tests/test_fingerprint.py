@@ -20,8 +20,10 @@ json_values = st.recursive(
     | st.integers(min_value=-(2**63), max_value=2**63)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=10), children, max_size=5)
+    ),
     max_leaves=25,
 )
 
@@ -42,7 +44,9 @@ def test_key_order_and_whitespace_do_not_matter(
     value: Any, seed: int, indent: int | str | None, ascii_only: bool
 ) -> None:
     compact = json.dumps(value, separators=(",", ":"))
-    other = json.dumps(shuffled(value, random.Random(seed)), indent=indent, ensure_ascii=ascii_only)
+    other = json.dumps(
+        shuffled(value, random.Random(seed)), indent=indent, ensure_ascii=ascii_only
+    )
     assert fingerprint("POST", "/orders/", compact.encode(), JSON) == fingerprint(
         "POST", "/orders/", other.encode(), JSON
     )
@@ -84,7 +88,9 @@ def test_whitespace_matters_outside_json() -> None:
     assert fingerprint("POST", "/", b'{"a": 1}', "text/plain") != fingerprint(
         "POST", "/", b'{"a":1}', "text/plain"
     )
-    assert fingerprint("POST", "/", b'{"a": 1}', JSON) == fingerprint("POST", "/", b'{"a":1}', JSON)
+    assert fingerprint("POST", "/", b'{"a": 1}', JSON) == fingerprint(
+        "POST", "/", b'{"a":1}', JSON
+    )
 
 
 @pytest.mark.parametrize(

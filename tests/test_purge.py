@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from io import StringIO
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -330,21 +331,57 @@ def test_task_runs_the_purge_eagerly() -> None:
     assert IdempotencyRecord.objects.count() == 1
 
 
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+@pytest.mark.django_db(transaction=True)
+def test_a_real_worker_runs_the_purge_by_its_registered_name(tmp_path: Path) -> None:
+    """What Celery beat does: send the task by name; a worker that autodiscovered it runs it."""
+    from tests.conftest import require_service
+    from tests.services import BROKER_URLS
+    from tests.workers import database_url, worker_group
+
+    require_service("redis")
+    _, live = seed(IdempotencyRecord, expired=3, live=1)
+    with worker_group(
+        broker_url=BROKER_URLS["redis"],
+        db_url=database_url(connection.settings_dict),
+        log_dir=tmp_path,
+        label="purge",
+        workers=1,
+        concurrency=1,
+    ) as group:
+        result = group.publish(PURGE_TASK_NAME, kwargs={"batch_size": 2})
+        try:
+            value = result.get(timeout=60)
+        except TimeoutError:
+            pytest.fail(f"the purge task did not run within 60s\n{group.logs()}")
+
+    assert value[IdempotencyRecord._meta.label]["deleted"] == 3
+    assert value[IdempotencyRecord._meta.label]["batches"] == 2
+    assert pks(IdempotencyRecord) == live
+
+
 # --- the race ----------------------------------------------------------------------------------
 
 
 def _bulk_expired(count: int) -> dict[type[Model], list[int]]:
-    past = timezone.now() - HOUR
+    now = timezone.now()
+
+    def past(i: int) -> Any:
+        return now - HOUR - timedelta(seconds=i)  # higher pk: expired longer ago
+
     common = {"fingerprint": "0" * 64, "method": "POST", "path": "/api/orders/"}
     records = [
-        IdempotencyRecord(owner="user:seed", key=f"old-{i}", expires_at=past, **common)
+        IdempotencyRecord(owner="user:seed", key=f"old-{i}", expires_at=past(i), **common)
         for i in range(count)
     ]
     events = [
-        ProcessedEvent(consumer="seed", event_id=f"old-{i}", expires_at=past) for i in range(count)
+        ProcessedEvent(consumer="seed", event_id=f"old-{i}", expires_at=past(i))
+        for i in range(count)
     ]
     deliveries = [
-        EventDelivery(consumer="seed", event_id=f"old-{i}", expires_at=past)
+        EventDelivery(consumer="seed", event_id=f"old-{i}", expires_at=past(i))
         for i in range(count // 2)
     ]
     for batch in (records, events, deliveries):
@@ -396,7 +433,7 @@ def test_purge_racing_requests_and_consumers_loses_no_live_record() -> None:
     targets = iter(expired[IdempotencyRecord])
 
     def reviver(n: int) -> None:
-        # Oldest first: the same order as the purge, so the two meet at the front.
+        # Newest first while the purge goes oldest first (expires_at order): they meet midway.
         pk = next(targets, None)
         if pk is None:
             stop.wait(0.01)
@@ -411,7 +448,10 @@ def test_purge_racing_requests_and_consumers_loses_no_live_record() -> None:
     for thread in threads:
         thread.start()
     purged = {model: 0 for model in MAKERS}
-    deadline = time.monotonic() + 3.0
+    start = time.monotonic() + 2.0
+    while not revived and time.monotonic() < start and not errors:
+        time.sleep(0.005)  # let every writer get going first
+    deadline = time.monotonic() + 2.0
     try:
         while time.monotonic() < deadline and not errors:
             for model in MAKERS:

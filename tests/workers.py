@@ -129,7 +129,7 @@ def start_worker(
         "-m",
         "celery",
         "-A",
-        "testproject",
+        "tests.worker_app",
         "worker",
         "-P",
         "prefork",
@@ -170,20 +170,21 @@ def wait_ready(workers: Iterable[Worker], timeout: float = READY_TIMEOUT) -> Non
             time.sleep(0.1)
 
 
-def stop_worker(worker: Worker, timeout: float = STOP_TIMEOUT) -> None:
-    """Cold-stop the worker (SIGQUIT), then SIGKILL its process group if it lingers."""
-    process = worker.process
-    if process.poll() is None:
+def stop_workers(workers: Iterable[Worker], timeout: float = STOP_TIMEOUT) -> None:
+    """Cold-stop the workers (SIGQUIT) together, then SIGKILL any process group that lingers."""
+    workers = list(workers)
+    for worker in workers:
+        if worker.process.poll() is None:
+            with suppress(ProcessLookupError):
+                os.kill(worker.process.pid, signal.SIGQUIT)
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        with suppress(subprocess.TimeoutExpired):
+            worker.process.wait(max(0.1, deadline - time.monotonic()))
         with suppress(ProcessLookupError):
-            os.kill(process.pid, signal.SIGQUIT)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # the group we created; its pool children
-    with suppress(subprocess.TimeoutExpired):
-        process.wait(5)
+            os.killpg(worker.process.pid, signal.SIGKILL)  # the group we created: pool children
+        with suppress(subprocess.TimeoutExpired):
+            worker.process.wait(5)
 
 
 def delete_queue(broker_url: str, queue: str) -> None:
@@ -228,7 +229,6 @@ def worker_group(
         wait_ready(group.workers)
         yield group
     finally:
-        for worker in group.workers:
-            stop_worker(worker)
+        stop_workers(group.workers)
         delete_queue(broker_url, queue)
         group.publisher.close()

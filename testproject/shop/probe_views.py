@@ -1,12 +1,15 @@
 """Views that exist for the test suite: each execution writes one ``Effect`` row to count.
 
-Query parameters shared by the views that accept them:
+The query parameter ``status`` makes a view answer with that HTTP status instead of 201.
+Request headers that are not part of the request fingerprint, so that a retry can differ:
 
-* ``status``: answer with this HTTP status instead of 201.
-* ``sleep``: seconds to sleep after writing the effect (at most 30), to hold the transaction.
-* With the environment variable ``PROBE_PID_DIR`` set (the gunicorn tests set it), the view
-  writes its process id to ``<PROBE_PID_DIR>/<key>.pid`` after the effect, so that a test can
-  SIGKILL the worker while it holds the transaction.
+* ``X-Probe-Sleep``: seconds to sleep after writing the effect (at most 30), to hold the
+  transaction open.
+* ``X-Probe-Late-Effect: 1``: write the effect after the sleep instead of before it.
+
+With the environment variable ``PROBE_PID_DIR`` set (the gunicorn tests set it), a view writes
+its process id to ``<PROBE_PID_DIR>/<key>.pid`` before sleeping, so that a test can SIGKILL or
+SIGSTOP the worker while it holds the transaction.
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ MAX_SLEEP = 30.0
 
 
 def record_effect(request: HttpRequest | Request, name: str) -> Effect:
-    """Write the effect row, then honour ``sleep`` and ``PROBE_PID_DIR``."""
+    """Write the effect row; honour ``X-Probe-Sleep``, ``X-Probe-Late-Effect``, the pid file."""
     key = request.headers.get("Idempotency-Key", "")
-    effect = Effect.objects.create(name=name, payload=key[:255])
+    late = request.headers.get("X-Probe-Late-Effect") == "1"
+    effect = None if late else Effect.objects.create(name=name, payload=key[:255])
     pid_dir = os.environ.get("PROBE_PID_DIR")
     if pid_dir and key:
         safe = re.sub(r"[^A-Za-z0-9_-]", "_", key)
         Path(pid_dir, f"{safe}.pid").write_text(str(os.getpid()))
-    time.sleep(min(float(request.GET.get("sleep", 0) or 0), MAX_SLEEP))
-    return effect
+    time.sleep(min(float(request.headers.get("X-Probe-Sleep", 0) or 0), MAX_SLEEP))
+    return effect or Effect.objects.create(name=name, payload=key[:255])
 
 
 def effect_payload(request: HttpRequest | Request, effect: Effect) -> dict[str, Any]:
@@ -148,6 +152,15 @@ class DrfApiView(APIView):
         return Response(payload, status=201, headers={"Location": f"/probe/effects/{effect.pk}"})
 
 
+@method_decorator(idempotent(required=True), name="post")
+class DrfMethodDecorated(APIView):
+    """``method_decorator`` on an APIView: the decorator finds the view through DRF."""
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-method-decorator")
+        return Response(effect_payload(request, effect), status=201)
+
+
 class DrfViewSet(viewsets.ViewSet):
     @idempotent
     def create(self, request: Request) -> Response:
@@ -201,4 +214,6 @@ async def undecorated_async(request: HttpRequest) -> HttpResponse:
     effect = await Effect.objects.acreate(
         name="undecorated-async", payload=request.headers.get("Idempotency-Key", "")[:255]
     )
+    if request.GET.get("raise"):
+        raise ProbeError("the undecorated async probe view raised on purpose")
     return JsonResponse({"effect": effect.pk, "nonce": uuid.uuid4().hex}, status=201)

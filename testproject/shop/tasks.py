@@ -1,7 +1,9 @@
-"""The test project's Celery consumers.
+"""The test project's consumers.
 
 * ``billing.apply_order_confirmed`` is the demo's billing consumer: it writes one
   :class:`~testproject.shop.models.LedgerEntry` per ``OrderConfirmed`` event.
+* :func:`on_payment_captured` is the money double protection recipe of ``docs/consumers.md``: a
+  plain consumer with an event id, and a ``UNIQUE(provider, external_payment_id)`` behind it.
 * The ``shop.*`` tasks exist for the worker tests (``tests/test_celery_worker.py``): each writes one
   :class:`~testproject.shop.models.Effect` row per execution of its body, named after its
   consumer, with the event id as payload, and some of them fail or kill their own worker process
@@ -20,8 +22,9 @@ from typing import Any
 from celery import shared_task
 from django.db import transaction
 
+from django_idempotency import idempotent_consumer
 from django_idempotency.celery import IdempotentConsumer
-from testproject.shop.models import Effect, LedgerEntry
+from testproject.shop.models import Effect, LedgerEntry, Order, Payment
 
 
 @shared_task(
@@ -140,3 +143,47 @@ def poison(self: IdempotentConsumer, event_id: str) -> str:
     _effect(self)
     _kill_own_process(self)
     return "unreachable"
+
+
+# --- Money double protection (docs/consumers.md) ------------------------------------------------
+
+
+class PaymentMismatch(Exception):
+    """The provider's payment id is already recorded, for another order or amount."""
+
+
+def record_payment(
+    order: Order, provider: str, external_payment_id: str, amount_cents: int
+) -> tuple[Payment, bool]:
+    """Insert the payment, or return the row already recorded for this provider payment id.
+
+    The second line of defence behind the event id: ``UNIQUE(provider, external_payment_id)``.
+    ``get_or_create`` inserts in a savepoint; when a concurrent transaction inserted the same
+    pair first, the insert waits for it, fails on the constraint, and the committed row is
+    returned instead. Returns ``(payment, created)``.
+    """
+    payment, created = Payment.objects.get_or_create(
+        provider=provider,
+        external_payment_id=external_payment_id,
+        defaults={"order": order, "amount_cents": amount_cents},
+    )
+    if not created and (payment.order_id, payment.amount_cents) != (order.pk, amount_cents):
+        raise PaymentMismatch(
+            f"{provider} payment {external_payment_id} is already recorded for order "
+            f"{payment.order_id} ({payment.amount_cents} cents)."
+        )
+    return payment, created
+
+
+@idempotent_consumer("payments.captured", event_id=lambda event: event["event_id"])
+def on_payment_captured(event: dict[str, Any]) -> int:
+    """A plain consumer (a webhook queue, a Kafka loop) of ``PaymentCaptured`` events.
+
+    ``event`` is ``{"event_id", "order_id", "provider", "external_payment_id",
+    "amount_cents"}``. Returns the payment's pk; None for a duplicate event.
+    """
+    order = Order.objects.get(pk=event["order_id"])
+    payment, _ = record_payment(
+        order, event["provider"], event["external_payment_id"], int(event["amount_cents"])
+    )
+    return payment.pk

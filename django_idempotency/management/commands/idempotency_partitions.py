@@ -74,9 +74,10 @@ class Command(BaseCommand):
         )
         for partition in partitioning.partitions(alias):
             if partition.is_default:
-                bounds = "DEFAULT"
+                bounds = "DEFAULT (late and far-future events)"
+            elif partition.start is None or partition.end is None:
+                bounds = "MINVALUE .. 1970-01-02 (ids without time)"
             else:
-                assert partition.start is not None and partition.end is not None
                 bounds = f"{partition.start:%Y-%m-%d} .. {partition.end:%Y-%m-%d}"
             self.stdout.write(f"  {partition.name}  {bounds}  ~{partition.approx_rows} rows")
 
@@ -84,8 +85,8 @@ class Command(BaseCommand):
         interval = options["interval"] or conf.EVENT_PARTITIONS
         created = partitioning.convert(alias, interval=interval, ahead=options["ahead"])
         self.stdout.write(
-            f"Converted ProcessedEvent to {interval}ly partitions: {len(created)} created "
-            "plus a default partition."
+            f"Converted ProcessedEvent to {interval}ly partitions: {len(created)} created, "
+            "plus the timeless and the default partition."
         )
         if conf.EVENT_PARTITIONS != interval:
             self.stdout.write(

@@ -1,0 +1,96 @@
+"""Owner scope: keys live per owner, and no owner ever receives another's response."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.exceptions import ImproperlyConfigured
+from django.http import HttpRequest
+from django.test import Client, RequestFactory, override_settings
+
+from django_idempotency.models import IdempotencyRecord
+from django_idempotency.owner import default_owner, resolve_owner
+from tests.probes import body, effects, post
+
+pytestmark = pytest.mark.django_db
+
+URL = "/probe/effect/"
+
+
+def tenant_owner(request: HttpRequest) -> str:
+    return "tenant:" + request.headers.get("X-Tenant", "none")
+
+
+def bad_owner(request: HttpRequest) -> object:
+    return 42
+
+
+def owners() -> set[str]:
+    return set(IdempotencyRecord.objects.values_list("owner", flat=True))
+
+
+def test_default_owner_order() -> None:
+    factory = RequestFactory()
+    request = factory.post("/")
+    assert default_owner(request) == "anonymous"
+    request = factory.post("/", HTTP_AUTHORIZATION="Bearer s3cret")
+    assert default_owner(request) == "auth:" + hashlib.sha256(b"Bearer s3cret").hexdigest()
+    user = User.objects.create_user("ann")
+    request.user = user
+    assert default_owner(request) == f"user:{user.pk}"
+
+
+def test_two_users_use_the_same_key_independently() -> None:
+    ann, bob = User.objects.create_user("ann"), User.objects.create_user("bob")
+    clients = {}
+    for user in (ann, bob):
+        clients[user.username] = Client()
+        clients[user.username].force_login(user)
+    first = {name: post(c, URL, "shared", {"a": 1}) for name, c in clients.items()}
+    assert body(first["ann"])["user"] == str(ann.pk)
+    assert body(first["bob"])["user"] == str(bob.pk)
+    assert effects() == 2
+    for name, c in clients.items():
+        again = post(c, URL, "shared", {"a": 1})
+        assert again["Idempotent-Replayed"] == "true"
+        assert again.content == first[name].content
+    # A different request under the same key is only a mismatch for its own owner.
+    assert post(clients["ann"], URL, "shared", {"a": 2}).status_code == 422
+    assert owners() == {f"user:{ann.pk}", f"user:{bob.pk}"}
+
+
+def test_credentials_and_anonymous_are_separate_scopes(client: Client) -> None:
+    anonymous = post(client, URL, "shared")
+    token_a = post(client, URL, "shared", headers={"Authorization": "Bearer a"})
+    token_b = post(client, URL, "shared", headers={"Authorization": "Bearer b"})
+    nonces = {body(r)["nonce"] for r in (anonymous, token_a, token_b)}
+    assert len(nonces) == 3
+    assert effects() == 3
+    replay = post(client, URL, "shared", headers={"Authorization": "Bearer a"})
+    assert replay.content == token_a.content
+    # The credentials themselves are never stored, only their hash.
+    assert not IdempotencyRecord.objects.filter(owner__contains="Bearer").exists()
+    assert len(owners()) == 3
+
+
+@override_settings(IDEMPOTENCY={"OWNER": "tests.test_http_owner.tenant_owner"})
+def test_owner_setting_replaces_the_default(client: Client) -> None:
+    one = post(client, URL, "k", headers={"X-Tenant": "one"})
+    two = post(client, URL, "k", headers={"X-Tenant": "two"})
+    assert body(one)["nonce"] != body(two)["nonce"]
+    assert post(client, URL, "k", headers={"X-Tenant": "one"}).content == one.content
+    assert owners() == {"tenant:one", "tenant:two"}
+
+
+@override_settings(IDEMPOTENCY={"OWNER": "tests.test_http_owner.bad_owner"})
+def test_owner_callable_must_return_a_string() -> None:
+    with pytest.raises(ImproperlyConfigured, match="must return a non-empty string"):
+        resolve_owner(RequestFactory().post("/"))
+
+
+@override_settings(IDEMPOTENCY={"OWNER": "tests.test_http_owner.missing"})
+def test_unimportable_owner_is_improperly_configured() -> None:
+    with pytest.raises(ImproperlyConfigured, match="cannot be imported"):
+        resolve_owner(RequestFactory().post("/"))

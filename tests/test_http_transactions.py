@@ -1,0 +1,246 @@
+"""One transaction per first execution: statement counts, ATOMIC_REQUESTS, the view's own
+atomic blocks, and a concurrent duplicate (409, or a replay within ``WAIT``)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, connections
+from django.test import Client, override_settings
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.exceptions import RequestInProgress
+from django_idempotency.fingerprint import fingerprint
+from django_idempotency.models import IdempotencyRecord
+from testproject.shop.models import Effect
+from testproject.shop.probe_views import ProbeError
+from tests.probes import body, effects, post, problem
+
+URL = "/probe/effect/"
+TABLE = IdempotencyRecord._meta.db_table
+BOUNDARIES = ("BEGIN", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE SAVEPOINT")
+
+
+def captured(action: Callable[[], Any]) -> list[str]:
+    with CaptureQueriesContext(connection) as queries:
+        action()
+    return [str(query["sql"]).strip() for query in queries.captured_queries]
+
+
+def boundaries(queries: list[str]) -> list[str]:
+    """Transaction control that Django logs alongside the statements."""
+    return [sql.split()[0] for sql in queries if sql.startswith(BOUNDARIES)]
+
+
+def statements(queries: list[str]) -> list[str]:
+    # MySQLdb reports a statement that failed (the duplicate insert) as "None".
+    return [sql for sql in queries if not sql.startswith(BOUNDARIES)]
+
+
+# -- statement counts -------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements_added_by_a_first_execution_and_a_replay(client: Client) -> None:
+    bare = captured(lambda: post(client, "/probe/mw/effect/", "bare"))
+    first = captured(lambda: post(client, URL, "k"))
+    replay = captured(lambda: post(client, URL, "k"))
+    assert effects() == 2
+
+    # The bare view runs one statement (its Effect insert) in autocommit mode.
+    assert statements(bare) == [statements(bare)[0]]
+    assert boundaries(bare) == []
+    # The decorated view adds two statements: the claim and the store; and one transaction.
+    added = statements(first)[:1] + statements(first)[2:]
+    assert len(statements(first)) == 3, first
+    assert TABLE in added[0]
+    assert added[1].startswith("UPDATE") and TABLE in added[1]
+    assert boundaries(first) == ["BEGIN", "COMMIT"]
+    # A replay is one statement on PostgreSQL (the claim finds the completed row and takes no
+    # lock), two elsewhere (the insert that meets the duplicate, then the read).
+    assert len(statements(replay)) == (1 if connection.vendor == "postgresql" else 2), replay
+    print(
+        f"\nSQL on {connection.vendor}: first execution adds {len(statements(first)) - 1} "
+        f"statements + {boundaries(first)}; replay {len(statements(replay))} statements + "
+        f"{boundaries(replay)}"
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_statements_with_atomic_requests(client: Client, atomic_requests: None) -> None:
+    first = captured(lambda: post(client, URL, "k"))
+    replay = captured(lambda: post(client, URL, "k"))
+    # Inside the request's transaction the decorator's block is a savepoint.
+    assert len(statements(first)) == 3
+    assert boundaries(first) == ["BEGIN", "SAVEPOINT", "RELEASE", "COMMIT"]
+    assert len(statements(replay)) == (1 if connection.vendor == "postgresql" else 2)
+    print(
+        f"\nSQL on {connection.vendor} with ATOMIC_REQUESTS: first execution adds "
+        f"{len(statements(first)) - 1} statements + {boundaries(first)}; replay "
+        f"{len(statements(replay))} statements + {boundaries(replay)}"
+    )
+
+
+# -- ATOMIC_REQUESTS and the view's own atomic blocks ----------------------------------------
+
+
+@pytest.fixture
+def atomic_requests(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(connection.settings_dict, "ATOMIC_REQUESTS", True)
+    yield
+
+
+@pytest.mark.django_db(transaction=True)
+def test_atomic_requests(client: Client, atomic_requests: None) -> None:
+    first = post(client, URL, "k")
+    again = post(client, URL, "k")
+    assert again.content == first.content
+    assert again["Idempotent-Replayed"] == "true"
+    with pytest.raises(ProbeError):
+        post(client, "/probe/raise/", "r")
+    assert post(client, f"{URL}?status=500", "s").status_code == 500
+    assert post(client, f"{URL}?status=429", "t").status_code == 429
+    assert effects() == 2  # the first execution and the 429's own change
+    assert list(IdempotencyRecord.objects.values_list("key", flat=True)) == ["k"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_with_its_own_atomic_blocks(client: Client) -> None:
+    first = post(client, "/probe/nested-atomic/", "k")
+    again = post(client, "/probe/nested-atomic/", "k")
+    assert first.status_code == 201
+    assert again.content == first.content
+    names = sorted(Effect.objects.values_list("name", flat=True))
+    assert names == ["nested-inner", "nested-outer"]
+
+
+# -- a concurrent duplicate --------------------------------------------------------------------
+
+
+class Gate:
+    """A view for the core that writes an effect, then waits for the test to let it finish."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def view(self) -> str:
+        Effect.objects.create(name="gated")
+        self.started.set()
+        assert self.release.wait(10), "the test never released the gate"
+        return "done"
+
+
+def capture(result: str) -> Captured:
+    return Captured(201, {"Content-Type": "text/plain"}, result.encode())
+
+
+def command(key: str) -> Command:
+    return Command("anonymous", key, "POST", "/gated", fingerprint("POST", "/gated", b""))
+
+
+def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = target()
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts on it
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def race_once(policy: Policy) -> dict[str, Any]:
+    """Run A (gated) and, while it holds its transaction, B with the same key."""
+    gate = Gate()
+    key = str(uuid.uuid4())
+    first, first_outcome = in_thread(
+        lambda: Idempotency(policy).run(command(key), gate.view, capture)
+    )
+    assert gate.started.wait(10)
+    second, second_outcome = in_thread(
+        lambda: Idempotency(policy).run(command(key), lambda: "never", capture)
+    )
+    second.join(timeout=0.5 if connection.vendor != "sqlite" else 0.2)
+    gate.release.set()
+    first.join(timeout=10)
+    second.join(timeout=10)
+    assert first_outcome == {"result": "done"}
+    assert effects("gated") == 1
+    return second_outcome
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_concurrent_duplicate_never_runs_and_gets_409_or_waits(client: Client) -> None:
+    outcome = race_once(Policy(using=connection.alias, retry_after=3))
+    if connection.vendor == "sqlite":
+        # SQLite has one writer: the duplicate waits for the database lock, then replays.
+        assert isinstance(outcome["result"], Replay)
+    else:
+        error = outcome["error"]
+        assert isinstance(error, RequestInProgress)
+        assert error.as_response()["Retry-After"] == "3"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_wait_the_duplicate_replays_once_the_first_finishes() -> None:
+    outcome = race_once(Policy(using=connection.alias, wait=5))
+    replay = outcome["result"]
+    assert isinstance(replay, Replay)
+    assert replay.body == b"done"
+    assert replay.headers["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.django_db
+@override_settings(IDEMPOTENCY={"RETRY_AFTER": 7})
+def test_409_is_problem_json_with_retry_after(client: Client) -> None:
+    """A claim that is in progress elsewhere (here a live lease) answers 409 at once."""
+    IdempotencyRecord.objects.create(
+        owner="anonymous",
+        key="k",
+        fingerprint=fingerprint("POST", URL, b"{}", "application/json"),
+        method="POST",
+        path=URL,
+        locked_until=timezone.now() + timedelta(minutes=1),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    response = post(client, URL, "k")
+    details = problem(response, 409)
+    assert details["type"].endswith("#in-progress")
+    assert response["Retry-After"] == "7"
+    assert effects() == 0
+    # Not for a different request under the same key: that is a mismatch.
+    problem(post(client, URL, "k", {"other": 1}), 422)
+    assert body(post(client, URL, "other-key"))["effect"]
+
+
+@pytest.mark.sqlite
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_answers_409_when_the_database_lock_wait_runs_out(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(connection.settings_dict["OPTIONS"], "timeout", 0.2)
+    connection.close()  # reconnect with the short lock timeout
+    other = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another writer holds the database lock
+    try:
+        response = post(client, URL, "k")
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        connection.close()
+    problem(response, 409)
+    assert effects() == 0

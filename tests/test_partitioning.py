@@ -1,0 +1,407 @@
+"""The partitioned ProcessedEvent layout (PostgreSQL): the partition key comes from the event.
+
+The heart of it is :func:`test_late_duplicate_after_the_partition_boundary_is_caught`: a
+duplicate that arrives after the partition boundary has passed lands in the same partition as
+the first delivery and is refused, while a table keyed on processing time (the control) lets it
+through.
+
+Reservations here go through :func:`reserve`, which builds the insert from
+:func:`~django_idempotency.partitioning.event_insert` exactly as ``try_reserve`` must on this
+layout (see docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.checks import CheckMessage
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.db import connection, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from django_idempotency import partitioning
+from django_idempotency.checks import check_settings
+from django_idempotency.models import ProcessedEvent
+
+TABLE = ProcessedEvent._meta.db_table
+DAY = timedelta(days=1)
+
+
+def uuid7_at(moment: datetime) -> str:
+    """A canonical UUIDv7 string whose timestamp is ``moment`` (to the millisecond)."""
+    milliseconds = int(moment.timestamp() * 1000)
+    rand = uuid.uuid4().int
+    value = (
+        milliseconds << 80
+        | 0x7 << 76
+        | ((rand >> 64) & 0xFFF) << 64
+        | 0b10 << 62
+        | rand & ((1 << 62) - 1)
+    )
+    return str(uuid.UUID(int=value))
+
+
+def reserve(
+    consumer: str,
+    event_id: str,
+    processed_at: datetime,
+    occurred_at: datetime | None = None,
+    ttl: timedelta = timedelta(days=7),
+) -> bool:
+    """Insert the ProcessedEvent row as try_reserve does; True if this call inserted it."""
+    extra = partitioning.event_insert(event_id, occurred_at)
+    q = connection.ops.quote_name
+    columns = ["consumer", "event_id", "topic", "processed_at", "expires_at", *extra.columns]
+    values = [consumer, event_id, "", processed_at, processed_at + ttl, *extra.values]
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {q(TABLE)} ({', '.join(q(c) for c in columns)}) "
+            f"VALUES ({', '.join(['%s'] * len(values))}) "
+            f"ON CONFLICT ({', '.join(q(c) for c in extra.conflict_target)}) DO NOTHING",
+            values,
+        )
+        return bool(cursor.rowcount == 1)
+
+
+def partition_of(consumer: str, event_id: str) -> list[str]:
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT tableoid::regclass::text FROM {TABLE} WHERE consumer = %s AND event_id = %s",
+            [consumer, event_id],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+def partition_names() -> set[str]:
+    return {p.name for p in partitioning.partitions("default")}
+
+
+# --- the partition key (no database) -----------------------------------------------------------
+
+
+def test_event_time_reads_the_uuid7_timestamp() -> None:
+    moment = datetime(2026, 6, 30, 23, 59, 59, 999000, tzinfo=UTC)
+    event_id = uuid7_at(moment)
+
+    assert partitioning.event_time(event_id) == moment
+    assert partitioning.event_time(uuid.UUID(event_id)) == moment
+    assert partitioning.event_time(event_id.upper()) == moment
+    assert partitioning.event_time(str(uuid.uuid4())) is None
+    assert partitioning.event_time(event_id.replace("-", "")) is None  # canonical form only
+    assert partitioning.event_time("order-42:confirmed") is None
+
+
+def test_partition_time_prefers_the_id_then_the_supplied_time_then_the_fallback() -> None:
+    moment = datetime(2026, 6, 1, 12, tzinfo=UTC)
+    supplied = datetime(2026, 6, 1, 14, 30, tzinfo=timezone.get_fixed_timezone(120))
+    event_id = uuid7_at(moment)
+
+    assert partitioning.partition_time(event_id, supplied) == moment
+    assert partitioning.partition_time("order-42", supplied) == datetime(
+        2026, 6, 1, 12, 30, tzinfo=UTC
+    )
+    assert partitioning.partition_time("order-42") == partitioning.FALLBACK_TIME
+    with pytest.raises(ValueError, match="timezone-aware"):
+        partitioning.partition_time("order-42", datetime(2026, 6, 1))
+
+
+def test_event_insert_follows_the_setting() -> None:
+    plain = partitioning.event_insert("order-42")
+    assert (plain.columns, plain.values, plain.conflict_target) == (
+        (),
+        (),
+        ("consumer", "event_id"),
+    )
+
+
+def test_interval_arithmetic() -> None:
+    moment = datetime(2026, 12, 31, 23, 59, tzinfo=UTC)
+    assert partitioning.floor(moment, "day") == datetime(2026, 12, 31, tzinfo=UTC)
+    assert partitioning.next_bound(moment, "day") == datetime(2027, 1, 1, tzinfo=UTC)
+    assert partitioning.floor(moment, "month") == datetime(2026, 12, 1, tzinfo=UTC)
+    assert partitioning.next_bound(moment, "month") == datetime(2027, 1, 1, tzinfo=UTC)
+    assert partitioning.next_bound(datetime(2026, 1, 31, tzinfo=UTC), "month") == datetime(
+        2026, 2, 1, tzinfo=UTC
+    )
+
+
+# --- other databases ---------------------------------------------------------------------------
+
+
+@pytest.mark.sqlite
+@pytest.mark.mysql
+@pytest.mark.django_db
+def test_layout_reports_it_is_not_available_off_postgresql() -> None:
+    with pytest.raises(CommandError, match="needs PostgreSQL"):
+        call_command("idempotency_partitions", "convert", "--interval", "day")
+    with pytest.raises(ImproperlyConfigured, match="needs PostgreSQL"):
+        partitioning.convert("default", "day")
+    assert partitioning.is_partitioned("default") is False
+
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "month"}):
+        messages: list[CheckMessage] = check_settings()
+        with pytest.raises(ImproperlyConfigured, match="need PostgreSQL"):
+            partitioning.event_insert("order-42")
+    assert [m.id for m in messages] == ["django_idempotency.E002"]
+    assert "need PostgreSQL" in messages[0].msg
+
+
+def test_bad_interval_is_an_invalid_setting() -> None:
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "week"}):
+        messages = check_settings()
+    assert [m.id for m in messages] == ["django_idempotency.E002"]
+    assert "'day' or 'month'" in messages[0].msg
+
+
+# --- PostgreSQL --------------------------------------------------------------------------------
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_python_and_sql_agree_on_the_partition_key() -> None:
+    ids = [
+        uuid7_at(datetime(2026, 6, 30, 23, 59, 59, 999000, tzinfo=UTC)),
+        uuid7_at(datetime(1999, 1, 1, tzinfo=UTC)),
+        uuid7_at(datetime(2100, 2, 28, 1, 2, 3, 4000, tzinfo=UTC)).upper(),
+        str(uuid.uuid4()),
+        str(uuid.uuid1()),
+        uuid7_at(datetime(2026, 1, 1, tzinfo=UTC)).replace("-", ""),
+        "order-42:confirmed",
+        "0190163d-8694-739b-aea5-966c26f8ad91\n",
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(partitioning._FUNCTION_SQL)
+        for event_id in ids:
+            cursor.execute(
+                f"SELECT {partitioning.SQL_FUNCTION}(%s, %s)",
+                [event_id, partitioning.FALLBACK_TIME],
+            )
+            assert cursor.fetchone()[0] == partitioning.partition_time(event_id), event_id
+
+
+@pytest.fixture
+def partitioned(db: None) -> Iterator[None]:
+    """ProcessedEvent converted to daily partitions inside the test's transaction: the rollback
+    at the end brings the plain table back, whatever the test did."""
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")
+        yield
+
+
+@pytest.mark.postgres
+def test_late_duplicate_after_the_partition_boundary_is_caught(partitioned: None) -> None:
+    boundary = partitioning.next_bound(partitioning.database_now("default"), "day")
+    before, after = boundary - timedelta(seconds=1), boundary + timedelta(seconds=1)
+    event_id = uuid7_at(boundary - timedelta(seconds=2))
+
+    # The first delivery is processed just before midnight, in the partition of its day.
+    assert reserve("billing", event_id, processed_at=before) is True
+    # Midnight passes; maintenance runs as it would then; the duplicate arrives after it.
+    partitioning.maintain("default", now=after)
+    assert reserve("billing", event_id, processed_at=after) is False
+
+    assert partition_of("billing", event_id) == [partitioning.partition_name(boundary - DAY)]
+    # Another consumer still gets the event once.
+    assert reserve("ledger", event_id, processed_at=after) is True
+    assert reserve("ledger", event_id, processed_at=after + DAY) is False
+
+    # Ids without time: the consumer supplies the event's time, read from the message.
+    occurred = boundary - timedelta(minutes=5)
+    assert reserve("billing", "order-42", processed_at=before, occurred_at=occurred) is True
+    assert reserve("billing", "order-42", processed_at=after, occurred_at=occurred) is False
+    # ... or supplies none: the fallback key sends every delivery to the timeless partition.
+    assert reserve("billing", "order-43", processed_at=before) is True
+    assert reserve("billing", "order-43", processed_at=after) is False
+    assert partition_of("billing", "order-43") == [f"{TABLE}_timeless"]
+    assert ProcessedEvent.objects.filter(consumer="billing").count() == 3
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_control_a_processing_time_key_lets_the_late_duplicate_through() -> None:
+    """What the layout avoids (and proof that the test above can fail): the seed article's
+    table keyed on processed_at applies a duplicate that arrives after the boundary."""
+    boundary = datetime(2026, 7, 1, tzinfo=UTC)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE naive_processed_event (consumer text, event_id text, "
+            "processed_at timestamptz, UNIQUE (consumer, event_id, processed_at)) "
+            "PARTITION BY RANGE (processed_at)"
+        )
+        for name, low, high in [
+            ("june", "2026-06-01", "2026-07-01"),
+            ("july", "2026-07-01", "2026-08-01"),
+        ]:
+            cursor.execute(
+                f"CREATE TABLE naive_{name} PARTITION OF naive_processed_event "
+                f"FOR VALUES FROM ('{low}') TO ('{high}')"
+            )
+        inserted = 0
+        for processed_at in (boundary - timedelta(seconds=1), boundary + timedelta(seconds=1)):
+            cursor.execute(
+                "INSERT INTO naive_processed_event VALUES ('billing', 'evt-1', %s) "
+                "ON CONFLICT (consumer, event_id, processed_at) DO NOTHING",
+                [processed_at],
+            )
+            inserted += cursor.rowcount
+    assert inserted == 2  # applied twice (the test's rollback drops the table)
+
+
+@pytest.mark.postgres
+def test_convert_keeps_every_row_under_its_event_time(partitioned: None) -> None:
+    partitioning.revert("default")
+    now = timezone.now()
+    recent = uuid7_at(now - timedelta(hours=3))
+    old = uuid7_at(now - timedelta(days=400))
+    for event_id in (recent, old, "plain-id"):
+        ProcessedEvent.objects.create(consumer="c", event_id=event_id, expires_at=now + DAY)
+    last_id = ProcessedEvent.objects.order_by("-pk").values_list("pk", flat=True)[0]
+
+    created = partitioning.convert("default", "day", ahead=2)
+
+    assert partitioning.is_partitioned("default")
+    # From EVENT_TTL (7 days) ago to 2 days past today, plus the default partition.
+    assert len(created) == 7 + 1 + 2
+    assert partition_names() == {*created, f"{TABLE}_default", f"{TABLE}_timeless"}
+    assert partition_of("c", recent) == [partitioning.partition_name(now - timedelta(hours=3))]
+    assert partition_of("c", old) == [f"{TABLE}_default"]  # older than any partition
+    assert partition_of("c", "plain-id") == [f"{TABLE}_timeless"]
+    assert ProcessedEvent.objects.count() == 3  # the ORM still reads the table
+    # Duplicates of converted rows are still caught, and ids go on from the old sequence.
+    assert reserve("c", recent, processed_at=now) is False
+    assert reserve("c", "plain-id", processed_at=now) is False
+    assert reserve("c", "new-id", processed_at=now) is True
+    assert ProcessedEvent.objects.get(event_id="new-id").pk > last_id
+    with pytest.raises(ImproperlyConfigured, match="partitioned already"):
+        partitioning.convert("default", "day")
+
+
+@pytest.mark.postgres
+def test_revert_restores_the_table_the_migrations_describe(partitioned: None) -> None:
+    now = timezone.now()
+    assert reserve("c", uuid7_at(now), processed_at=now) is True
+    before = list(ProcessedEvent.objects.values_list("pk", "event_id"))
+
+    assert partitioning.revert("default") == 1
+
+    assert not partitioning.is_partitioned("default")
+    with connection.cursor() as cursor:
+        constraints = connection.introspection.get_constraints(cursor, TABLE)
+        columns = [c.name for c in connection.introspection.get_table_description(cursor, TABLE)]
+    assert constraints["idempotency_event_consumer_uniq"]["columns"] == ["consumer", "event_id"]
+    assert constraints[f"{TABLE}_pkey"]["columns"] == ["id"]
+    assert {"idem_event_expires_idx", "idem_event_processed_idx"} <= set(constraints)
+    assert partitioning.PARTITION_COLUMN not in columns
+    assert list(ProcessedEvent.objects.values_list("pk", "event_id")) == before
+    created = ProcessedEvent.objects.create(consumer="c", event_id="x", expires_at=now)
+    assert created.pk > before[0][0]
+    with pytest.raises(ImproperlyConfigured, match="not partitioned"):
+        partitioning.revert("default")
+
+
+@pytest.mark.postgres
+def test_expired_partitions_are_dropped_and_live_ones_kept(partitioned: None) -> None:
+    now = partitioning.database_now("default")
+    today = partitioning.floor(now, "day")
+    five_days_ago, six_days_ago = today - 5 * DAY, today - 6 * DAY
+    # Events of 6 days ago: one processed then, one processed late (today), still live.
+    assert reserve("c", uuid7_at(six_days_ago + timedelta(hours=1)), processed_at=six_days_ago)
+    assert reserve("c", uuid7_at(five_days_ago + timedelta(hours=1)), processed_at=five_days_ago)
+    late = uuid7_at(five_days_ago + timedelta(hours=2))
+    assert reserve("c", late, processed_at=now, ttl=timedelta(days=20))
+    # Expired already, but in a range partition: it leaves with its partition, not before.
+    short = uuid7_at(today + DAY + timedelta(hours=1))  # tomorrow's partition is not dropped
+    assert reserve("c", short, processed_at=now - 2 * DAY, ttl=DAY)
+    # Without time, in the timeless partition: one expired, one live.
+    assert reserve("c", "plain-old", processed_at=now - 30 * DAY)
+    assert reserve("c", "plain-new", processed_at=now)
+    later = now + 8 * DAY  # six_days_ago's range ended EVENT_TTL (7 days) before this
+
+    dry = partitioning.drop_expired_partitions("default", now=later, dry_run=True)
+    result = partitioning.drop_expired_partitions("default", now=later)
+
+    six, five = (
+        partitioning.partition_name(six_days_ago),
+        partitioning.partition_name(five_days_ago),
+    )
+    assert dry.dropped == result.dropped
+    assert six in result.dropped
+    assert five not in result.dropped
+    assert any(name == five and "live rows until" in reason for name, reason in result.kept)
+    names = partition_names()
+    assert six not in names and five in names
+    assert {f"{TABLE}_default", f"{TABLE}_timeless"} <= names  # never dropped
+    ranges = [p for p in partitioning.partitions("default") if p.is_range]
+    assert all(p.end is not None and p.end > six_days_ago for p in ranges)
+    # The purge deletes rows one by one only in the timeless and default partitions; range
+    # partitions leave whole.
+    purge = ProcessedEvent.objects.delete_expired()
+    assert (purge.deleted, purge.finished) == (1, True)
+    assert set(ProcessedEvent.objects.values_list("event_id", flat=True)) >= {
+        late,
+        short,
+        "plain-new",
+    }
+    assert not ProcessedEvent.objects.filter(event_id="plain-old").exists()
+
+
+@pytest.mark.postgres
+def test_new_partition_takes_its_rows_from_the_default_partition(partitioned: None) -> None:
+    now = partitioning.database_now("default")
+    far = partitioning.floor(now, "day") + 30 * DAY + timedelta(hours=5)
+    event_id = uuid7_at(far)  # a producer clock far ahead: no partition yet
+    assert reserve("c", event_id, processed_at=now)
+    assert partition_of("c", event_id) == [f"{TABLE}_default"]
+
+    created = partitioning.ensure_partitions("default", now=far, ahead=0)
+
+    assert partitioning.partition_name(far) in created
+    assert partition_of("c", event_id) == [partitioning.partition_name(far)]
+    assert reserve("c", event_id, processed_at=now + DAY) is False
+    assert partitioning.ensure_partitions("default", now=far, ahead=0) == []
+
+
+@pytest.mark.postgres
+def test_purge_runs_partition_maintenance(partitioned: None) -> None:
+    from django_idempotency.managers import purge_all
+
+    results = {r.label: r for r in purge_all(dry_run=True)}
+
+    maintenance = results[ProcessedEvent._meta.label].partitions
+    assert maintenance is not None and maintenance.dry_run
+    assert results["django_idempotency.IdempotencyRecord"].partitions is None
+
+
+@pytest.mark.postgres
+def test_command_converts_maintains_and_reverts(transactional_db: Any) -> None:
+    def run(*args: str) -> str:
+        out = StringIO()
+        call_command("idempotency_partitions", *args, stdout=out)
+        return out.getvalue()
+
+    assert "plain table" in run()
+    try:
+        output = run("convert", "--interval", "month", "--ahead", "1")
+        assert "Converted ProcessedEvent to monthly partitions" in output
+        assert "set IDEMPOTENCY[\"EVENT_PARTITIONS\"] = 'month'" in output
+        status = run("status")
+        assert "DEFAULT" in status and "_p" in status
+        with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "month"}):
+            assert "0 partitions would be created" in run("maintain", "--dry-run", "--ahead", "1")
+            assert "1 partitions created" in run("maintain", "--ahead", "2")
+            purge = StringIO()
+            call_command("idempotency_purge", stdout=purge)
+            assert "partitions: created 0, dropped 0" in purge.getvalue()
+        assert "plain table again (0 rows copied)" in run("revert")
+    finally:
+        if partitioning.is_partitioned("default"):
+            partitioning.revert("default")
+    with pytest.raises(CommandError, match="not partitioned"):
+        run("revert")
