@@ -40,6 +40,15 @@ LIBRARIES = {
 
 ROWS: tuple[Row, ...] = (
     Row("bare", "app", "/bare/", "first", "bare view (plain Django)", None, "bare"),
+    Row(
+        "bare-atomic",
+        "app",
+        "/bare-atomic/",
+        "first",
+        "bare view in transaction.atomic",
+        "bare",
+        "bare-atomic",
+    ),
     Row("bare-drf", "app", "/bare-drf/", "first", "bare view (DRF APIView)", "bare", "bare-drf"),
     Row("app-first", "app", "/app/", "first", "this app, first execution", "bare", "app"),
     Row("app-replay", "app", "/app/", "replay", "this app, replay", "bare", "app"),
@@ -217,6 +226,13 @@ def run_http(
                 base_statements = _mode([b["statements"] for _, b in pairs])
                 if entry["statements"] is not None and base_statements is not None:
                     entry["statements_added"] = entry["statements"] - base_statements
+            # The same view inside transaction.atomic: the app's cost over a transactional view.
+            atomic = per_round.get("bare-atomic")
+            if row.baseline == "bare" and atomic and row.name != "bare-atomic":
+                pairs = list(zip(rounds_of, atomic, strict=True))
+                entry["p50_ratio_vs_bare_atomic"] = _median(
+                    [a["p50_ms"] / b["p50_ms"] for a, b in pairs]
+                )
             out.append(entry)
     return out
 

@@ -342,7 +342,7 @@ def bench_drop(url: str, args: argparse.Namespace) -> dict[str, Any]:
     droppable = [
         p
         for p in partitioning.partitions("default")
-        if p.end is not None and p.end <= cutoff and not p.is_default
+        if p.is_range and p.end is not None and p.end <= cutoff
     ]
     expired_rows = scalar(f"SELECT count(*) FROM {TABLE} WHERE expires_at < now()")
     size_before = table_bytes()

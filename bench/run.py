@@ -238,15 +238,16 @@ def tables(results: dict[str, Any]) -> str:
         lines += [
             "### HTTP (gunicorn, PostgreSQL)",
             "",
-            "| row | clients | req/s | p50 ms | p99 ms | p50 vs base | req/s vs base | SQL/req |"
-            " commits/req | served | statuses |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| row | clients | req/s | p50 ms | p99 ms | p50 vs base | p50 vs atomic bare |"
+            " req/s vs base | SQL/req | commits/req | served | statuses |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in results["http"]:
             base = f" ({r['baseline']})" if r.get("p50_ratio") else ""
             lines.append(
                 f"| {r['label']} | {r['clients']} | {r['rps']:.0f} | {r['p50_ms']:.2f} |"
                 f" {r['p99_ms']:.2f} | {_ratio(r.get('p50_ratio'))}{base} |"
+                f" {_ratio(r.get('p50_ratio_vs_bare_atomic'))} |"
                 f" {_ratio(r.get('rps_ratio'))} | {_na(r.get('statements'))} |"
                 f" {_na(r.get('commits'))} | {r['ok_share']:.0%} |"
                 f" {_statuses(r['statuses'], r.get('errors'))} |"
@@ -287,7 +288,30 @@ def tables(results: dict[str, Any]) -> str:
             )
         lines.append("")
     purge = results.get("purge")
-    if purge:
+    if purge and all(isinstance(purge.get(k), dict) for k in ("delete", "drop")):
+        lines += [
+            f"### Purge (bench/purge.py: {_num(purge.get('rows_expired'))} expired +"
+            f" {_num(purge.get('rows_live'))} live rows, {purge.get('inserters', '?')} threads"
+            f" inserting {purge.get('insert_rate_per_thread', '?')}/s each meanwhile)",
+            "",
+            "| method | rows | seconds | rows/s | insert p50 / p99 ms, quiet |"
+            " insert p50 / p99 ms, during |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for label, key, rows_key in (
+            ("batched DELETE (delete_expired)", "delete", "rows_deleted"),
+            ("partition DROP (drop_expired_partitions)", "drop", "rows_dropped"),
+        ):
+            r = purge[key]
+            quiet, during = r.get("inserts_baseline", {}), r.get("inserts_during", {})
+            lines.append(
+                f"| {label} | {_num(r.get(rows_key))} | {r.get('seconds', '?')} |"
+                f" {_num(r.get('rows_per_second'))} |"
+                f" {quiet.get('p50_ms', '?')} / {quiet.get('p99_ms', '?')} |"
+                f" {during.get('p50_ms', '?')} / {during.get('p99_ms', '?')} |"
+            )
+        lines.append("")
+    elif purge:
         lines += ["### Purge (bench/purge.py)", ""]
         lines += [f"- {k}: {v}" for k, v in _flatten(purge)]
         lines.append("")
@@ -312,6 +336,10 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
         else:
             items.append((f"{prefix}{key}", value))
     return items
+
+
+def _num(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int | float) else "?"
 
 
 def _ratio(value: float | None) -> str:

@@ -9,9 +9,10 @@
         LedgerEntry.objects.create(...)
 
 The behaviour lives in :class:`IdempotentConsumerMixin`, to combine with a project's own Task
-base (``class MyConsumer(IdempotentConsumerMixin, TracingTask)``: the mixin first, or it raises
-``TypeError``); :class:`IdempotentConsumer` is the ready-made class. It wraps ``__call__`` (``before_start`` cannot hold a transaction open around
-the body) and hands each call to :func:`django_idempotency.events.process_event`.
+base: ``class MyConsumer(IdempotentConsumerMixin, TracingTask)``, the mixin first (the other order
+raises ``TypeError``). :class:`IdempotentConsumer` is the ready-made class. The mixin wraps
+``__call__`` (``before_start`` cannot hold a transaction open around the body) and hands each call
+to :func:`django_idempotency.events.process_event`.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Generic, NamedTuple, NoReturn, ParamSpec, TypeVar
 
 from django.db import IntegrityError, NotSupportedError, connections, transaction
@@ -150,6 +150,7 @@ def try_reserve(
     topic: str | None = None,
     ttl: timedelta | float | None = None,
     using: str | None = None,
+    occurred_at: datetime | None = None,
 ) -> bool:
     """Reserve ``event_id`` for ``consumer`` in the current transaction.
 
@@ -165,17 +166,17 @@ def try_reserve(
     Retryable errors (a lock wait timeout, a deadlock, a serialization failure) and every other
     database error propagate; they never read as "already processed".
 
-    Args:
-        event_id: the event's id, a ``str`` or a :class:`uuid.UUID`; 1 to 255 characters.
-        consumer: the consumer's stable name; each consumer processes an event once.
-        topic: optional, informational (shown in the admin).
-        ttl: how long the row is kept (a ``timedelta`` or seconds); default ``EVENT_TTL``. It must
-            outlast the longest time a duplicate can still arrive.
-        using: the database alias; default the ``DATABASE`` setting.
-
-    Raises:
-        ValueError: the event id or consumer is empty or longer than 255 characters.
-        TransactionManagementError: called outside ``transaction.atomic`` on that database.
+    :param event_id: the event's id, a ``str`` or a :class:`uuid.UUID`; 1 to 255 characters.
+    :param consumer: the consumer's stable name; each consumer processes an event once.
+    :param topic: optional, informational (shown in the admin).
+    :param ttl: how long the row is kept (a ``timedelta`` or seconds); default ``EVENT_TTL``. It
+        must outlast the longest time a duplicate can still arrive.
+    :param using: the database alias; default the ``DATABASE`` setting.
+    :param occurred_at: only for the partitioned PostgreSQL layout
+        (``IDEMPOTENCY["EVENT_PARTITIONS"]``): the event's own time, read from the message, for
+        an id that is not a UUIDv7. Never the time of processing.
+    :raises ValueError: the event id or consumer is empty or longer than 255 characters.
+    :raises TransactionManagementError: called outside ``transaction.atomic`` on that database.
     """
     event = normalize_event_id(event_id)
     name = _checked_name("consumer name", consumer)
@@ -190,6 +191,15 @@ def try_reserve(
             "its own and a crash before the effect would lose the event."
         )
     now = timezone.now()
+    raw: dict[str, Any] = {}
+    unique: tuple[str, ...] = ("consumer", "event_id")
+    if connection.vendor == "postgresql":
+        # The opt-in partitioned layout adds its partition key to the row and the conflict target.
+        from django_idempotency.partitioning import event_insert
+
+        layout = event_insert(event, occurred_at)
+        raw = dict(zip(layout.columns, layout.values, strict=True))
+        unique = layout.conflict_target
     return _insert_new(
         connection,
         ProcessedEvent,
@@ -200,7 +210,8 @@ def try_reserve(
             "processed_at": now,
             "expires_at": now + duration,
         },
-        unique=("consumer", "event_id"),
+        unique=unique,
+        raw=raw,
     )
 
 
@@ -212,19 +223,30 @@ def _field(model: type[Model], name: str) -> Field[Any, Any]:
 
 
 def _insert_sql(
-    connection: BaseDatabaseWrapper, model: type[Model], values: Mapping[str, Any]
+    connection: BaseDatabaseWrapper,
+    model: type[Model],
+    values: Mapping[str, Any],
+    raw: Mapping[str, Any] | None = None,
 ) -> tuple[str, list[Any]]:
-    """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters."""
+    """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters.
+
+    ``values`` are keyed by model field name; ``raw`` by column name, for columns the model does
+    not declare (the partition key), with values the driver takes as they are.
+    """
     quote = connection.ops.quote_name
     fields = [_field(model, name) for name in values]
-    columns = ", ".join(quote(field.column) for field in fields)
-    placeholders = ", ".join(["%s"] * len(fields))
+    raw = raw or {}
+    columns = ", ".join([*(quote(field.column) for field in fields), *map(quote, raw)])
+    placeholders = ", ".join(["%s"] * (len(fields) + len(raw)))
     params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
+    params.extend(raw.values())
     return f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})", params
 
 
 def _columns(connection: BaseDatabaseWrapper, model: type[Model], names: tuple[str, ...]) -> str:
-    return ", ".join(connection.ops.quote_name(_field(model, name).column) for name in names)
+    """Quoted column names of fields (or of undeclared columns, named as they are)."""
+    declared = {field.name: field.column for field in model._meta.concrete_fields}
+    return ", ".join(connection.ops.quote_name(declared.get(name, name)) for name in names)
 
 
 def _insert_new(
@@ -233,6 +255,7 @@ def _insert_new(
     values: Mapping[str, Any],
     *,
     unique: tuple[str, ...],
+    raw: Mapping[str, Any] | None = None,
 ) -> bool:
     """Insert one row unless ``unique`` already holds; True if this call inserted it.
 
@@ -242,7 +265,7 @@ def _insert_new(
     client flag) and ``INSERT IGNORE`` hides errors, so a plain insert runs in a savepoint and only
     a duplicate-key error (1062) means "already there".
     """
-    sql, params = _insert_sql(connection, model, values)
+    sql, params = _insert_sql(connection, model, values, raw)
     vendor = connection.vendor
     if vendor in ("postgresql", "sqlite"):
         sql += f" ON CONFLICT ({_columns(connection, model, unique)}) DO NOTHING"
@@ -559,14 +582,16 @@ def idempotent_consumer(
     :class:`~django_idempotency.exceptions.EventParked`: acknowledge it (or send it to a dead
     letter queue) and go on.
 
-    Args:
-        consumer: the consumer's stable name. Renaming it makes every event new again.
-        event_id: called with the function's arguments, returns the event id. Default: the
-            ``event_id`` keyword argument, or the ``"event_id"`` key of the first positional
-            argument when that is a mapping. No id raises
-            :class:`~django_idempotency.exceptions.MissingEventId`.
-        topic: a string, or a callable of the function's arguments; informational.
-        ttl, using, max_deliveries, count_deliveries: see :func:`process_event`.
+    :param consumer: the consumer's stable name. Renaming it makes every event new again.
+    :param event_id: called with the function's arguments, returns the event id. Default: the
+        ``event_id`` keyword argument, or the ``"event_id"`` key of the first positional argument
+        when that is a mapping. No id raises
+        :class:`~django_idempotency.exceptions.MissingEventId`.
+    :param topic: a string, or a callable of the function's arguments; informational.
+    :param ttl: how long the processed-event row is kept; default ``EVENT_TTL``.
+    :param using: the database alias; default the ``DATABASE`` setting.
+    :param max_deliveries: deliveries before the event is parked; default ``MAX_DELIVERIES``.
+    :param count_deliveries: False skips poison-message counting (and parking).
     """
     _checked_name("consumer name", consumer)
 

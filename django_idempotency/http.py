@@ -15,6 +15,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
 from django.http.response import HttpResponseBase
@@ -183,8 +184,6 @@ async def ahandle(
     view_self: Any = None,
 ) -> HttpResponseBase:
     """Run the ``async`` ``view`` for ``request`` under the core."""
-    from asgiref.sync import sync_to_async
-
     prepared = await sync_to_async(prepare, thread_sensitive=True)(request, options)
     if prepared is None:
         return await view()
@@ -216,8 +215,10 @@ def capture(response: HttpResponseBase, *, request: Any = None, view_self: Any =
             finalize(request, response)
         response.render()
     headers = safe_headers(response)
-    if response.streaming or not isinstance(response, HttpResponse):
+    if response.streaming:
         return Captured(response.status_code, headers, None, "streaming response")
+    if not isinstance(response, HttpResponse):
+        return Captured(response.status_code, headers, None, "response without a stored body")
     content = response.content
     if len(content) > conf.MAX_RESPONSE_BYTES:
         return Captured(

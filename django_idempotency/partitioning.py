@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -533,7 +534,7 @@ def ensure_partitions(
     return created
 
 
-def _exists(cursor: CursorWrapper, name: str, quote: Any) -> bool:
+def _exists(cursor: CursorWrapper, name: str, quote: Callable[[str], str]) -> bool:
     cursor.execute("SELECT to_regclass(%s) IS NOT NULL", [quote(name)])
     return bool(cursor.fetchone()[0])
 

@@ -37,6 +37,7 @@ body = json.dumps({"amount_cents": 1250})
 out = {}
 for name, path, key in [
     ("bare", "/bare/", None),
+    ("bare-atomic", "/bare-atomic/", None),
     ("bare-drf", "/bare-drf/", None),
     ("app-first", "/app/", "smoke-key-1"),
     ("app-replay", "/app/", "smoke-key-1"),
@@ -49,7 +50,8 @@ for name, path, key in [
         "replayed": response.headers.get("Idempotent-Replayed"),
         "statements": response.headers.get("X-Bench-Statements"),
     }
-out["effects"] = {n: Effect.objects.filter(name=n).count() for n in ("bare", "bare-drf", "app")}
+names = ("bare", "bare-atomic", "bare-drf", "app")
+out["effects"] = {n: Effect.objects.filter(name=n).count() for n in names}
 print(json.dumps(out))
 """
 
@@ -78,12 +80,12 @@ def run_python(args: list[str], env: dict[str, str]) -> str:
 def test_app_variant_views_answer_and_replay(tmp_path: Path) -> None:
     out = json.loads(run_python(["-c", IN_PROCESS], bench_env(tmp_path)).splitlines()[-1])
 
-    for name in ("bare", "bare-drf", "app-first", "app-replay"):
+    for name in ("bare", "bare-atomic", "bare-drf", "app-first", "app-replay"):
         assert out[name]["status"] == 201, (name, out[name])
         assert out[name]["statements"] is not None, name
     assert out["app-replay"]["replayed"] == "true"
     assert out["app-replay"]["body"] == out["app-first"]["body"]
-    assert out["effects"] == {"bare": 1, "bare-drf": 1, "app": 1}
+    assert out["effects"] == {"bare": 1, "bare-atomic": 1, "bare-drf": 1, "app": 1}
 
 
 def test_consumer_benchmark_runs(tmp_path: Path) -> None:
@@ -181,4 +183,4 @@ def test_report_renders_targets_from_figures() -> None:
         by_name["a replay is faster than the bare view (p50 ratio < 1, 8 clients)"]["met"] is None
     )
     table = run.tables({"http": results["http"], "targets": run.targets(results)})
-    assert "| this app, first execution | 8 | 100 | 2.00 | 4.00 | 1.50x (bare) |" in table
+    assert "| this app, first execution | 8 | 100 | 2.00 | 4.00 | 1.50x (bare) |  |" in table

@@ -269,9 +269,11 @@ def test_eager_database_error_raises() -> None:
 def test_from_a_broker_a_message_without_a_valid_id_is_rejected_for_good(
     kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.ERROR, logger="django_idempotency"):
-        with pytest.raises(Reject) as raised:
-            from_broker(effect, lambda: effect(**kwargs))
+    with (
+        caplog.at_level(logging.ERROR, logger="django_idempotency"),
+        pytest.raises(Reject) as raised,
+    ):
+        from_broker(effect, lambda: effect(**kwargs))
     assert raised.value.requeue is False
     assert isinstance(raised.value.reason, MissingEventId)
     assert "message rejected, no valid event id: task shop.effect" in caplog.text

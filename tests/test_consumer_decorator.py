@@ -217,14 +217,12 @@ def test_racing_events_for_one_payment_record_it_once(committed_order: Order) ->
         try:
             barrier.wait()
             results.append(on_payment_captured(captured(committed_order, event_id, amount=500)))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             errors.append(exc)
         finally:
             connections.close_all()
 
-    threads = [
-        threading.Thread(target=deliver, args=(str(new_event_id()),)) for _ in range(count)
-    ]
+    threads = [threading.Thread(target=deliver, args=(str(new_event_id()),)) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:

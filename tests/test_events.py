@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -52,7 +53,7 @@ class Threads:
         def run() -> None:
             try:
                 target()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
                 self.errors.append(exc)
             finally:
                 connections.close_all()
@@ -559,7 +560,7 @@ def test_new_event_ids_are_strictly_increasing() -> None:
     values = [new_event_id() for _ in range(20_000)]
     assert values == sorted(values)
     assert len(set(values)) == len(values)
-    assert all(str(v) < str(w) for v, w in zip(values, values[1:], strict=False))
+    assert all(str(v) < str(w) for v, w in itertools.pairwise(values))
 
 
 def test_new_event_ids_from_threads_are_unique() -> None:
@@ -576,3 +577,28 @@ def test_new_event_ids_from_threads_are_unique() -> None:
     values = [value for chunk in results for value in chunk]
     assert len(values) == 20_000
     assert len(set(values)) == 20_000
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_try_reserve_on_the_partitioned_layout() -> None:
+    """With EVENT_PARTITIONS, the partition key joins the insert and the conflict target."""
+    from django_idempotency import partitioning
+
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")  # inside the test's transaction: rolled back after
+        event_id = new_event_id()
+        occurred = timezone.now() - timedelta(hours=1)
+        with transaction.atomic():
+            assert try_reserve(event_id, "ledger") is True
+            assert try_reserve(event_id, "ledger") is False
+            assert try_reserve("order-42", "ledger", occurred_at=occurred) is True
+            assert try_reserve("order-42", "ledger", occurred_at=occurred) is False
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"SELECT event_id, occurred_at FROM {ProcessedEvent._meta.db_table} "
+                "ORDER BY event_id"
+            )
+            rows = dict(cursor.fetchall())
+    assert rows[str(event_id)] == partitioning.event_time(event_id)
+    assert rows["order-42"] == occurred

@@ -163,8 +163,12 @@ def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, An
     return thread, outcome
 
 
-def race_once(policy: Policy) -> dict[str, Any]:
-    """Run A (gated) and, while it holds its transaction, B with the same key."""
+def race_once(policy: Policy, *, release_after: float | None) -> dict[str, Any]:
+    """Run A (gated) and, while it holds its transaction, B with the same key.
+
+    ``release_after=None`` lets B finish before A may end (B must not wait for A); otherwise A
+    is released after that many seconds, while B may still be waiting.
+    """
     gate = Gate()
     key = str(uuid.uuid4())
     first, first_outcome = in_thread(
@@ -174,7 +178,7 @@ def race_once(policy: Policy) -> dict[str, Any]:
     second, second_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), lambda: "never", capture)
     )
-    second.join(timeout=0.5 if connection.vendor != "sqlite" else 0.2)
+    second.join(timeout=10 if release_after is None else release_after)
     gate.release.set()
     first.join(timeout=10)
     second.join(timeout=10)
@@ -185,9 +189,10 @@ def race_once(policy: Policy) -> dict[str, Any]:
 
 @pytest.mark.django_db(transaction=True)
 def test_a_concurrent_duplicate_never_runs_and_gets_409_or_waits(client: Client) -> None:
-    outcome = race_once(Policy(using=connection.alias, retry_after=3))
+    # SQLite has one writer: the duplicate waits for the database lock, so let A finish.
+    release_after = 0.2 if connection.vendor == "sqlite" else None
+    outcome = race_once(Policy(using=connection.alias, retry_after=3), release_after=release_after)
     if connection.vendor == "sqlite":
-        # SQLite has one writer: the duplicate waits for the database lock, then replays.
         assert isinstance(outcome["result"], Replay)
     else:
         error = outcome["error"]
@@ -197,7 +202,7 @@ def test_a_concurrent_duplicate_never_runs_and_gets_409_or_waits(client: Client)
 
 @pytest.mark.django_db(transaction=True)
 def test_with_wait_the_duplicate_replays_once_the_first_finishes() -> None:
-    outcome = race_once(Policy(using=connection.alias, wait=5))
+    outcome = race_once(Policy(using=connection.alias, wait=5), release_after=0.3)
     replay = outcome["result"]
     assert isinstance(replay, Replay)
     assert replay.body == b"done"

@@ -12,6 +12,8 @@ layout (see docs/operations.md).
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -405,3 +407,82 @@ def test_command_converts_maintains_and_reverts(transactional_db: Any) -> None:
             partitioning.revert("default")
     with pytest.raises(CommandError, match="not partitioned"):
         run("revert")
+
+
+@pytest.fixture
+def committed_partitions(transactional_db: None) -> Iterator[None]:
+    """Daily partitions committed for real (other connections see them); reverted after."""
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")
+        try:
+            yield
+        finally:
+            if partitioning.is_partitioned("default"):
+                partitioning.revert("default")
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_drop_waits_at_most_lock_timeout_behind_a_long_transaction(
+    committed_partitions: None,
+) -> None:
+    import psycopg
+
+    now = partitioning.database_now("default")
+    old_day = partitioning.floor(now, "day") - 6 * DAY
+    assert reserve("c", uuid7_at(old_day + timedelta(hours=1)), processed_at=old_day, ttl=DAY)
+    later = now + 2 * DAY
+    settings = connection.settings_dict
+    other = psycopg.connect(
+        dbname=settings["NAME"],
+        user=settings["USER"],
+        host=settings["HOST"] or "127.0.0.1",
+        port=settings["PORT"] or 5432,
+        password=settings["PASSWORD"] or None,
+    )
+    try:
+        # A consumer's transaction that read the table and is still open.
+        other.execute(f"SELECT count(*) FROM {TABLE}")
+        started = time.monotonic()
+        busy = partitioning.drop_expired_partitions("default", now=later, lock_timeout="300ms")
+        waited = time.monotonic() - started
+    finally:
+        other.rollback()
+        other.close()
+    name = partitioning.partition_name(old_day)
+    assert name not in busy.dropped
+    assert (name, "busy: no lock within 300ms, next run") in busy.kept
+    assert waited < 10  # one lock_timeout per partition, never an unbounded wait
+    # The next run, with nobody in the way, drops it.
+    assert name in partitioning.drop_expired_partitions("default", now=later).dropped
+    assert name not in partition_names()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_two_maintenance_runs_at_once_do_not_collide(committed_partitions: None) -> None:
+    far = partitioning.database_now("default") + 20 * DAY
+    results: list[list[str]] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(partitioning.ensure_partitions("default", now=far, ahead=1))
+        except BaseException as exc:  # noqa: BLE001  (asserted empty below)
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert not errors, errors
+    created = [name for names in results for name in names]
+    assert len(created) == len(set(created))  # each partition made once
+    assert partitioning.partition_name(far) in partition_names()
+    assert partitioning.ensure_partitions("default", now=far, ahead=1) == []

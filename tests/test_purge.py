@@ -448,9 +448,11 @@ def test_purge_racing_requests_and_consumers_loses_no_live_record() -> None:
     for thread in threads:
         thread.start()
     purged = {model: 0 for model in MAKERS}
-    start = time.monotonic() + 2.0
-    while not revived and time.monotonic() < start and not errors:
-        time.sleep(0.005)  # let every writer get going first
+    # Let every writer get going first, so the purge meets them (bounded: a loaded machine).
+    gate = time.monotonic() + 30.0
+    while len(revived) < 5 or not all(inserted.values()):
+        assert time.monotonic() < gate and not errors, ("writers did not start", errors)
+        time.sleep(0.005)
     deadline = time.monotonic() + 2.0
     try:
         while time.monotonic() < deadline and not errors:

@@ -63,10 +63,13 @@ def health(request: HttpRequest) -> HttpResponse:
 
 
 def app_views() -> dict[str, View]:
+    from django.db import transaction
+
     from django_idempotency import idempotent
 
     return {
         "bare": plain_view("bare"),
+        "bare-atomic": transaction.atomic(plain_view("bare-atomic")),
         "bare-drf": drf_view("bare-drf"),
         "app": idempotent(plain_view("app")),
         "race/bare": plain_view("bare", sleep=RACE_SLEEP),

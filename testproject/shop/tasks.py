@@ -4,8 +4,8 @@
   :class:`~testproject.shop.models.LedgerEntry` per ``OrderConfirmed`` event.
 * :func:`on_payment_captured` is the money double protection recipe of ``docs/consumers.md``: a
   plain consumer with an event id, and a ``UNIQUE(provider, external_payment_id)`` behind it.
-* The ``shop.*`` tasks exist for the worker tests (``tests/test_celery_worker.py``): each writes one
-  :class:`~testproject.shop.models.Effect` row per execution of its body, named after its
+* The ``shop.*`` tasks exist for the worker tests (``tests/test_celery_worker.py``): each writes
+  one :class:`~testproject.shop.models.Effect` row per execution of its body, named after its
   consumer, with the event id as payload, and some of them fail or kill their own worker process
   on purpose. The killing ones refuse to run eagerly, so they can never kill a test process or a
   web server.
@@ -28,7 +28,10 @@ from testproject.shop.models import Effect, LedgerEntry, Order, Payment
 
 
 @shared_task(
-    base=IdempotentConsumer, bind=True, name="billing.apply_order_confirmed", consumer="billing.ledger"
+    base=IdempotentConsumer,
+    bind=True,
+    name="billing.apply_order_confirmed",
+    consumer="billing.ledger",
 )
 def apply_order_confirmed(self: IdempotentConsumer, event: dict[str, Any]) -> int:
     """Apply an ``OrderConfirmed`` event to the ledger, once per event id.
@@ -148,6 +151,7 @@ def poison(self: IdempotentConsumer, event_id: str) -> str:
 # --- Money double protection (docs/consumers.md) ------------------------------------------------
 
 
+# --8<-- [start:money]
 class PaymentMismatch(Exception):
     """The provider's payment id is already recorded, for another order or amount."""
 
@@ -187,3 +191,6 @@ def on_payment_captured(event: dict[str, Any]) -> int:
         order, event["provider"], event["external_payment_id"], int(event["amount_cents"])
     )
     return payment.pk
+
+
+# --8<-- [end:money]
