@@ -38,7 +38,11 @@ from tests.conftest import require_service
 from tests.services import BROKER_URLS
 from tests.workers import WorkerGroup, database_url, worker_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.django_db(transaction=True),
+]
 
 RESULT_TIMEOUT = 60.0
 SQLITE_SKIPS = {

@@ -602,3 +602,28 @@ def test_try_reserve_on_the_partitioned_layout() -> None:
             rows = dict(cursor.fetchall())
     assert rows[str(event_id)] == partitioning.event_time(event_id)
     assert rows["order-42"] == occurred
+
+
+def test_new_event_ids_stay_ordered_when_the_clock_steps_back_or_the_counter_overflows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from django_idempotency import events
+
+    ahead = time.time_ns() // 1_000_000 + 60_000  # the last id came from a clock a minute ahead
+    monkeypatch.setattr(events, "_uuid7_last_ms", ahead)
+    monkeypatch.setattr(events, "_uuid7_counter", 5)
+    first = new_event_id()
+    assert first.int >> 80 == ahead  # the same millisecond, counting on
+    monkeypatch.setattr(events, "_uuid7_counter", (1 << 42) - 1)  # the counter is exhausted
+    second = new_event_id()
+    assert second.int >> 80 == ahead + 1  # borrows the next millisecond
+    assert first < second < new_event_id()
+
+
+def test_a_forked_child_starts_a_fresh_uuid7_sequence() -> None:
+    from django_idempotency import events
+
+    new_event_id()
+    events._reset_uuid7_state()  # what os.register_at_fork runs in the child
+    assert (events._uuid7_last_ms, events._uuid7_counter) == (0, 0)
+    assert new_event_id().int >> 80 >= time.time_ns() // 1_000_000 - 1000

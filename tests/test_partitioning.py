@@ -5,9 +5,8 @@ duplicate that arrives after the partition boundary has passed lands in the same
 the first delivery and is refused, while a table keyed on processing time (the control) lets it
 through.
 
-Reservations here go through :func:`reserve`, which builds the insert from
-:func:`~django_idempotency.partitioning.event_insert` exactly as ``try_reserve`` must on this
-layout (see docs/operations.md).
+Reservations go through the real ``try_reserve``; :func:`reserve` only sets the processing
+time (the application clock) so a test can stand on either side of a partition boundary.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.checks import CheckMessage
@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from django_idempotency import partitioning
 from django_idempotency.checks import check_settings
+from django_idempotency.events import try_reserve
 from django_idempotency.models import ProcessedEvent
 
 TABLE = ProcessedEvent._meta.db_table
@@ -57,19 +58,9 @@ def reserve(
     occurred_at: datetime | None = None,
     ttl: timedelta = timedelta(days=7),
 ) -> bool:
-    """Insert the ProcessedEvent row as try_reserve does; True if this call inserted it."""
-    extra = partitioning.event_insert(event_id, occurred_at)
-    q = connection.ops.quote_name
-    columns = ["consumer", "event_id", "topic", "processed_at", "expires_at", *extra.columns]
-    values = [consumer, event_id, "", processed_at, processed_at + ttl, *extra.values]
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {q(TABLE)} ({', '.join(q(c) for c in columns)}) "
-            f"VALUES ({', '.join(['%s'] * len(values))}) "
-            f"ON CONFLICT ({', '.join(q(c) for c in extra.conflict_target)}) DO NOTHING",
-            values,
-        )
-        return bool(cursor.rowcount == 1)
+    """``try_reserve`` in its own transaction, processed at ``processed_at`` (the app clock)."""
+    with mock.patch("django.utils.timezone.now", return_value=processed_at), transaction.atomic():
+        return try_reserve(event_id, consumer, ttl=ttl, occurred_at=occurred_at)
 
 
 def partition_of(consumer: str, event_id: str) -> list[str]:

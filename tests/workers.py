@@ -5,6 +5,10 @@ process group, consuming one queue that no other test or helper uses. It talks t
 test database (``DATABASE_URL`` is built from the test connection's settings) and stores task
 results in Redis, so a test can wait for every message's final state, duplicates included,
 before it counts effects.
+
+The app is the test project's own, loaded through ``tests.worker_app``, which only makes Celery's
+Django fixup keep database connections across tasks (as a production worker with persistent
+connections does) instead of reconnecting for every task: that triples throughput here.
 """
 
 from __future__ import annotations
@@ -188,13 +192,15 @@ def stop_workers(workers: Iterable[Worker], timeout: float = STOP_TIMEOUT) -> No
 
 
 def delete_queue(broker_url: str, queue: str) -> None:
+    """Delete the test's queue and its exchange (on Redis, their binding keys too)."""
     app = Celery("cleanup", broker=broker_url, set_as_current=False)
     with app.connection_for_write() as connection:
         channel = connection.default_channel
         exchange = Exchange(queue, type="direct")
-        Queue(queue, exchange, routing_key=queue).bind(channel).delete()
-        with suppress(Exception):
-            exchange.bind(channel).delete()
+        bound = Queue(queue, exchange, routing_key=queue).bind(channel)
+        bound.declare()  # kombu's Redis transport deletes only the bindings it knows of
+        bound.delete()
+        exchange.bind(channel).delete()
 
 
 @contextmanager
