@@ -63,7 +63,7 @@ class IdempotencyRecord(models.Model):
         verbose_name_plural = _("idempotency records")
         constraints = [
             models.UniqueConstraint(
-                fields=["owner", "key"], name="idempotency_record_owner_key_uniq"
+                fields=["key", "owner"], name="idempotency_record_key_owner_uniq"
             ),
         ]
         indexes = [
@@ -89,7 +89,7 @@ class ProcessedEvent(models.Model):
         verbose_name_plural = _("processed events")
         constraints = [
             models.UniqueConstraint(
-                fields=["consumer", "event_id"], name="idempotency_event_consumer_uniq"
+                fields=["event_id", "consumer"], name="idempotency_event_consumer_uniq"
             ),
         ]
         indexes = [
@@ -119,7 +119,7 @@ class EventDelivery(models.Model):
         verbose_name_plural = _("event deliveries")
         constraints = [
             models.UniqueConstraint(
-                fields=["consumer", "event_id"], name="idempotency_delivery_consumer_uniq"
+                fields=["event_id", "consumer"], name="idempotency_delivery_consumer_uniq"
             ),
         ]
         indexes = [

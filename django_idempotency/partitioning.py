@@ -10,7 +10,7 @@ the partition key, ``occurred_at``, is taken from the event itself, the same on 
    none. Those rows live in the *timeless* partition (everything before 1970-01-02), which is
    never dropped: its rows are purged one by one, exactly as on the plain table.
 
-The table is then unique on ``(consumer, event_id, occurred_at)``; because ``occurred_at`` is a
+The table is then unique on ``(event_id, consumer, occurred_at)``; because ``occurred_at`` is a
 function of the event, that is as strong as ``(consumer, event_id)``. A default partition
 catches rows that no range partition covers (late events whose partition was dropped, producer
 clocks far ahead), so an insert never fails for want of a partition; it is purged row by row
@@ -339,7 +339,7 @@ def convert(
             f"{q(PARTITION_COLUMN)} timestamptz NOT NULL, "
             f"CONSTRAINT {q(new + '_pkey')} PRIMARY KEY ({q(pk)}, {q(PARTITION_COLUMN)}), "
             f"CONSTRAINT {q(unique + '__p')} UNIQUE "
-            f"({q('consumer')}, {q('event_id')}, {q(PARTITION_COLUMN)})"
+            f"({q('event_id')}, {q('consumer')}, {q(PARTITION_COLUMN)})"
             f") PARTITION BY RANGE ({q(PARTITION_COLUMN)})"
         )
         for index in meta.indexes:

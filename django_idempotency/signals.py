@@ -18,5 +18,5 @@ record_mismatch = Signal()
 record_stored = Signal()
 #: A consumer skipped an event it had already processed.
 event_duplicate = Signal()
-#: A consumer parked an event after too many deliveries.
+#: A consumer parked an event after too many deliveries; also sent with ``deliveries``.
 event_parked = Signal()

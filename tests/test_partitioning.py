@@ -288,7 +288,7 @@ def test_revert_restores_the_table_the_migrations_describe(partitioned: None) ->
     with connection.cursor() as cursor:
         constraints = connection.introspection.get_constraints(cursor, TABLE)
         columns = [c.name for c in connection.introspection.get_table_description(cursor, TABLE)]
-    assert constraints["idempotency_event_consumer_uniq"]["columns"] == ["consumer", "event_id"]
+    assert constraints["idempotency_event_consumer_uniq"]["columns"] == ["event_id", "consumer"]
     assert constraints[f"{TABLE}_pkey"]["columns"] == ["id"]
     assert {"idem_event_expires_idx", "idem_event_processed_idx"} <= set(constraints)
     assert partitioning.PARTITION_COLUMN not in columns

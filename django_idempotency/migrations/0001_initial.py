@@ -56,7 +56,7 @@ class Migration(migrations.Migration):
                 ],
                 "constraints": [
                     models.UniqueConstraint(
-                        fields=("consumer", "event_id"), name="idempotency_delivery_consumer_uniq"
+                        fields=("event_id", "consumer"), name="idempotency_delivery_consumer_uniq"
                     )
                 ],
             },
@@ -150,7 +150,7 @@ class Migration(migrations.Migration):
                 ],
                 "constraints": [
                     models.UniqueConstraint(
-                        fields=("owner", "key"), name="idempotency_record_owner_key_uniq"
+                        fields=("key", "owner"), name="idempotency_record_key_owner_uniq"
                     )
                 ],
             },
@@ -187,7 +187,7 @@ class Migration(migrations.Migration):
                 ],
                 "constraints": [
                     models.UniqueConstraint(
-                        fields=("consumer", "event_id"), name="idempotency_event_consumer_uniq"
+                        fields=("event_id", "consumer"), name="idempotency_event_consumer_uniq"
                     )
                 ],
             },
