@@ -365,8 +365,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections: %(default)s")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="servers: %(default)s")
     parser.add_argument("--clients", default="8,32", help="concurrent clients: %(default)s")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per row")
-    parser.add_argument("--seconds", type=float, default=4.0, help="seconds per row per round")
+    # Many short alternating rounds rather than a few long ones: on a shared machine a burst of
+    # other work then hits every row alike, and the per-round ratios stay comparable.
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds per row")
+    parser.add_argument("--seconds", type=float, default=2.5, help="seconds per row per round")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up per row")
     parser.add_argument("--max-requests", type=int, default=50_000, help="per row per round")
     parser.add_argument("--duplicates", type=int, default=16, help="concurrent duplicates")
