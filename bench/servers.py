@@ -110,6 +110,7 @@ class Server:
 
     def start(self) -> Server:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.log.unlink(missing_ok=True)  # gunicorn appends; keep this run's log only
         self.port = free_port()
         command = [
             sys.executable,
@@ -133,14 +134,20 @@ class Server:
             "--error-logfile",
             str(self.log),
         ]
-        self.process = subprocess.Popen(
-            command,
-            env=variant_env(self.variant, self.database),
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        import gunicorn
+
+        if gunicorn.version_info >= (27,):
+            # Each master would otherwise claim ~/.gunicorn/gunicorn.ctl, and all but one fail.
+            command.append("--no-control-socket")
+        with self.log.with_suffix(".stderr").open("wb") as stderr:  # warnings, import errors
+            self.process = subprocess.Popen(
+                command,
+                env=variant_env(self.variant, self.database),
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
         return self
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -157,9 +164,11 @@ class Server:
         raise RuntimeError(f"gunicorn for {self.name} did not answer in {timeout}s")
 
     def log_tail(self, lines: int = 30) -> str:
-        if not self.log.exists():
-            return "(no log)"
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        text = ""
+        for path in (self.log, self.log.with_suffix(".stderr")):
+            if path.exists():
+                text += path.read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:]) or "(no log)"
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -89,7 +89,7 @@ for backend in $BACKENDS; do
   step "pytest on $backend"
   t0=$(date +%s)
   DATABASE_URL="${db_url[$backend]}" TEST_DB_BACKEND="$backend" \
-    python -m pytest --cov --cov-branch --cov-report= "${cov_flag[@]}" "${markexpr[@]}" "$@"
+    python -m pytest -W error::DeprecationWarning --cov --cov-branch --cov-report= "${cov_flag[@]}" "${markexpr[@]}" "$@"
   code=$?
   cov_flag=(--cov-append)
   if [ $code -ne 0 ]; then
