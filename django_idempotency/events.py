@@ -49,7 +49,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Generic, NamedTuple, NoReturn, ParamSpec, TypeVar
 
-from django.db import IntegrityError, NotSupportedError, connections, transaction
+from django.db import (
+    DatabaseError,
+    IntegrityError,
+    NotSupportedError,
+    connections,
+    transaction,
+)
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field, Model
 from django.db.transaction import TransactionManagementError
@@ -409,7 +415,7 @@ def _record_error(delivery: Delivery, error: BaseException, using: str) -> None:
             EventDelivery.objects.using(using).filter(
                 consumer=delivery.consumer, event_id=delivery.event_id
             ).update(last_error=text)
-    except Exception:  # the body's error is the one that matters, and it propagates
+    except DatabaseError:  # the body's error is the one that matters, and it propagates
         logger.warning(
             "could not record the error of event %s for consumer %s",
             delivery.event_id,
