@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from typing import Any
 
+from django.db import connections
 from django.http.response import HttpResponseBase
 from django.test import Client
 
@@ -61,3 +64,24 @@ def problem(response: HttpResponseBase, status: int) -> dict[str, Any]:
 def body(response: HttpResponseBase) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(response.content)  # type: ignore[attr-defined]
     return result
+
+
+def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``target`` in a started thread with its own database connection.
+
+    Returns the thread and a dict that gets ``result`` or ``error`` (the exception the target
+    raised, for the test thread to assert on) once it ends.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = target()
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts on it
+            outcome["error"] = exc
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome

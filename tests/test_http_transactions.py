@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection, connections
+from django.db import connection
 from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -22,7 +22,7 @@ from django_idempotency.fingerprint import fingerprint
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError
-from tests.probes import body, effects, post, problem
+from tests.probes import body, effects, in_thread, post, problem
 
 URL = "/probe/effect/"
 TABLE = IdempotencyRecord._meta.db_table
@@ -145,22 +145,6 @@ def capture(result: str) -> Captured:
 
 def command(key: str) -> Command:
     return Command("anonymous", key, "POST", "/gated", fingerprint("POST", "/gated", b""))
-
-
-def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = target()
-        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts on it
-            outcome["error"] = exc
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
 
 
 def race_once(policy: Policy, *, release_after: float | None) -> dict[str, Any]:

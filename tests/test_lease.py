@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, connections
+from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
@@ -23,7 +23,7 @@ from django_idempotency.fingerprint import fingerprint
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError
-from tests.probes import effects, post, problem
+from tests.probes import effects, in_thread, post, problem
 
 URL = "/probe/lease/"
 PATH = "/charge"
@@ -126,22 +126,6 @@ def test_lease_mode_refuses_to_run_inside_a_transaction(client: Client) -> None:
 
 
 # -- through the core -------------------------------------------------------------------------
-
-
-def in_thread(target: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = target()
-        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts on it
-            outcome["error"] = exc
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, outcome
 
 
 @pytest.mark.django_db(transaction=True)
