@@ -25,14 +25,16 @@ __all__ = [
 
 _LAZY = {
     "idempotent": "django_idempotency.decorators",
-    "idempotent_consumer": "django_idempotency.events",
-    "new_event_id": "django_idempotency.events",
+    "idempotent_consumer": "django_idempotency.consumers",
+    "new_event_id": "django_idempotency.event_ids",
     "try_reserve": "django_idempotency.events",
 }
 
 if TYPE_CHECKING:
+    from django_idempotency.consumers import idempotent_consumer
     from django_idempotency.decorators import idempotent
-    from django_idempotency.events import idempotent_consumer, new_event_id, try_reserve
+    from django_idempotency.event_ids import new_event_id
+    from django_idempotency.events import try_reserve
 
 
 def __getattr__(name: str) -> Any:

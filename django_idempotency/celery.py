@@ -18,22 +18,24 @@ to :func:`django_idempotency.events.process_event`.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from celery.app.task import Task as CeleryTask
 from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Reject
-from django.db import OperationalError
+from celery.exceptions import Ignore, Reject
+from django.db import InterfaceError, OperationalError
 
-from django_idempotency.events import (
+from django_idempotency.event_ids import (
     EVENT_ID_KEY,
     EventId,
+    argument_event_id,
     find_event_id,
     normalize_event_id,
-    process_event,
 )
+from django_idempotency.events import park_message, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId
 
 __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]
@@ -62,6 +64,8 @@ class IdempotentConsumerMixin(_TaskBase):
       Every delivery counts, autoretry's retries included, so keep it above ``max_retries + 1``.
     * ``count_deliveries``: set False to skip poison-message counting (one transaction less per
       message, and no parking).
+    * ``database_retry_delay`` and ``database_retry_delay_max``: the backoff, in seconds, while
+      the database is unavailable (default 1 and 60; see below).
 
     The task defaults to ``acks_late=True`` and ``reject_on_worker_lost=True``: the message is
     acknowledged only after the transaction has committed, and a worker that dies mid-task gets
@@ -70,26 +74,43 @@ class IdempotentConsumerMixin(_TaskBase):
 
     What happens to a message:
 
-    * no event id, or an invalid one: rejected without requeue
+    * the event id is the task's ``event_id`` parameter, passed by position or by keyword
+      (``apply_payment.delay(eid, pid)`` works), else an ``event_id`` message header, else the
+      ``"event_id"`` key of a first argument that is a mapping (see :meth:`get_event_id`). An
+      ``int`` is taken as its decimal string;
+    * no event id, or an invalid one: the message is **parked**, never run and never silently
+      dropped: a parked :class:`~django_idempotency.models.EventDelivery` row under the event id
+      ``no-event-id:<task id>`` keeps the reason and the message's arguments for the admin,
+      ERROR is logged, and the message is rejected without requeue
       (:class:`~celery.exceptions.Reject` wrapping
-      :class:`~django_idempotency.exceptions.MissingEventId`), logged at ERROR; never retried;
+      :class:`~django_idempotency.exceptions.MissingEventId`);
     * first delivery: the body runs in ``transaction.atomic`` with the reservation;
     * duplicate: the body does not run, the task returns None, ``duplicate ignored`` is logged
       and :data:`~django_idempotency.signals.event_duplicate` is sent;
+    * the body raises :class:`~celery.exceptions.Ignore` (``self.replace()`` does): Celery acks
+      the message and never redelivers it, so the transaction **commits** (the reservation, the
+      body's writes, a replacement published through ``on_commit``) and ``Ignore`` is raised
+      after the commit;
     * delivered more than ``max_deliveries`` times without completing (a message that kills its
       worker): parked, rejected without requeue, logged at ERROR,
       :data:`~django_idempotency.signals.event_parked` sent;
-    * a database ``OperationalError`` (deadlock, lock timeout, serialization failure, lost
-      connection) that escapes the transaction: nothing was applied, so the message is rejected
-      *with* requeue and comes back; each return is counted, so this cannot loop past
-      ``max_deliveries``.
+    * a database ``OperationalError`` or ``InterfaceError`` (the database is down, a deadlock, a
+      lock timeout, a serialization failure) before the commit: nothing was applied, so the
+      message is retried with a countdown that doubles from ``database_retry_delay`` up to
+      ``database_retry_delay_max`` seconds (with jitter), for as long as the database does not
+      answer; no hot requeue loop. The retries are not limited by ``max_retries``;
+    * an error *after* the commit, from an ``on_commit`` callback of the body: the event is
+      applied, so the message is not requeued; the task fails with
+      :class:`~django_idempotency.exceptions.OnCommitFailed` and the error is kept in the
+      counter's ``last_error``.
 
     Inside the body, ``self.request.event_id`` holds the event id, wherever the message carried
     it.
 
     Called eagerly (``CELERY_TASK_ALWAYS_EAGER``, ``task.apply()``) or directly, the errors
     above are raised as they are (:class:`MissingEventId`, :class:`EventParked`, the database
-    error) instead of becoming a ``Reject``: there is no broker to give the message back to.
+    error) instead of parking, rejecting or retrying: there is no broker to give the message
+    back to.
     """
 
     consumer: str | None = None
@@ -98,6 +119,8 @@ class IdempotentConsumerMixin(_TaskBase):
     database: str | None = None
     max_deliveries: int | None = None
     count_deliveries: bool = True
+    database_retry_delay: float = 1.0
+    database_retry_delay_max: float = 60.0
 
     acks_late = True
     reject_on_worker_lost = True
@@ -120,11 +143,13 @@ class IdempotentConsumerMixin(_TaskBase):
     def get_event_id(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> EventId | None:
         """Find the message's event id; override it for any other message shape.
 
-        Looked for, in order, in the ``event_id`` keyword argument, the ``event_id`` message
-        header (``apply_async(headers={"event_id": ...})``), and the ``"event_id"`` key of the
-        first positional argument when that is a mapping. None when there is none.
+        Looked for, in order: the task's ``event_id`` parameter, found by binding the call to
+        the task's signature (a positional ``apply_payment.delay(eid, pid)`` as well as
+        ``event_id=eid``); the ``event_id`` message header
+        (``apply_async(headers={"event_id": ...})``); the ``"event_id"`` key of the first
+        positional argument when that is a mapping. None when there is none.
         """
-        value = kwargs.get(EVENT_ID_KEY)
+        value = argument_event_id(args, kwargs, self.run)
         if value is None:
             value = self._header_event_id()
         if value is None:
@@ -150,7 +175,7 @@ class IdempotentConsumerMixin(_TaskBase):
             if raw is None:
                 raise MissingEventId(
                     f"Task {self.name} (consumer {consumer!r}) got a message without an event "
-                    f"id. Publish it with an {EVENT_ID_KEY!r} keyword argument, an "
+                    f"id. Give the task an {EVENT_ID_KEY!r} parameter, publish an "
                     f"{EVENT_ID_KEY!r} header, or a first argument that is a mapping with an "
                     f"{EVENT_ID_KEY!r} key; or override get_event_id()."
                 )
@@ -158,24 +183,27 @@ class IdempotentConsumerMixin(_TaskBase):
         except (ValueError, TypeError) as exc:
             if not from_broker:
                 raise
-            logger.error(
-                "message rejected, no valid event id: task %s, consumer %s, task id %s: %s",
-                self.name,
-                consumer,
-                request.id,
-                exc,
-            )
-            error = exc if isinstance(exc, MissingEventId) else MissingEventId(str(exc))
-            raise Reject(error, requeue=False) from exc
+            self._park_message(exc, args, kwargs)
 
         # The body finds the id here wherever the message carried it.
         request.update({EVENT_ID_KEY: event_id})
         run_body = super().__call__
+        ignored: list[Ignore] = []
+
+        def body() -> Any:
+            try:
+                return run_body(*args, **kwargs)
+            except Ignore as exc:
+                # Celery acks an Ignore and never redelivers: commit what the body did (its
+                # replacement, published on commit, included), then raise it.
+                ignored.append(exc)
+                return None
+
         try:
             outcome = process_event(
                 consumer,
                 event_id,
-                lambda: run_body(*args, **kwargs),
+                body,
                 topic=self.topic,
                 ttl=self.event_ttl,
                 using=self.database,
@@ -186,17 +214,69 @@ class IdempotentConsumerMixin(_TaskBase):
             if not from_broker:
                 raise
             raise Reject(exc, requeue=False) from exc
-        except OperationalError as exc:
+        except (OperationalError, InterfaceError) as exc:
             if not from_broker:
                 raise
-            logger.warning(
-                "database error, nothing applied, message requeued: event %s, consumer %s: %s",
-                event_id,
-                consumer,
-                exc,
-            )
-            raise Reject(exc, requeue=True) from exc
+            self._retry_later(event_id, exc, args, kwargs)
+        if ignored:
+            raise ignored[0]
         return outcome.result
+
+    def _park_message(
+        self, error: BaseException, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> NoReturn:
+        """Park a message without a usable event id where the admin shows it, then reject it."""
+        request = self.request
+        reason = (
+            f"{error} Task {self.name}, task id {request.id}; "
+            f"args={_preview(args)}, kwargs={_preview(dict(kwargs))}"
+        )
+        park_message(
+            self.consumer_name,
+            str(request.id),
+            reason,
+            topic=self.topic,
+            using=self.database,
+        )
+        missing = error if isinstance(error, MissingEventId) else MissingEventId(str(error))
+        raise Reject(missing, requeue=False) from error
+
+    def database_retry_countdown(self) -> float:
+        """Seconds to wait before the next try while the database is unavailable.
+
+        ``database_retry_delay * 2 ** retries``, capped at ``database_retry_delay_max``, of
+        which a random half is taken off so that workers do not retry in step.
+        """
+        retries = min(int(self.request.retries or 0), 32)
+        ceiling = float(min(self.database_retry_delay_max, self.database_retry_delay * 2**retries))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    def _retry_later(
+        self, event_id: str, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> NoReturn:
+        countdown = self.database_retry_countdown()
+        logger.warning(
+            "database error, nothing applied, retrying in %.1fs (retry %d): event %s, "
+            "consumer %s: %s",
+            countdown,
+            int(self.request.retries or 0) + 1,
+            event_id,
+            self.consumer_name,
+            error,
+        )
+        # Unbounded on purpose: the message waits for the database, however long it is down.
+        raise self.retry(
+            args=args,
+            kwargs=kwargs,
+            exc=error,
+            countdown=countdown,
+            max_retries=int(self.request.retries or 0) + 1,
+        )
+
+
+def _preview(value: object, limit: int = 500) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class IdempotentConsumer(IdempotentConsumerMixin, DjangoTask[..., Any]):

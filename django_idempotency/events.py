@@ -7,14 +7,20 @@ the first transaction to insert the row applies the effect; every later delivery
 skips the body; a delivery whose transaction rolls back leaves no row behind, so the next delivery
 runs again.
 
-This module is the one core that decides. It offers:
+This module is the one core that decides: reserve, count, park. It offers:
 
 * :func:`try_reserve`, the primitive: one insert that does nothing on conflict, inside the
   caller's ``transaction.atomic``;
+* :func:`count_delivery`, the delivery counter committed apart (see below);
 * :func:`process_event`, which counts the delivery, opens the transaction, reserves the event and
-  runs a body only the first time. :func:`idempotent_consumer` (for plain loops) and
-  :class:`django_idempotency.celery.IdempotentConsumer` are thin adapters over it;
-* :func:`new_event_id`, a time-ordered UUIDv7 for producers.
+  runs a body only the first time. :func:`~django_idempotency.consumers.idempotent_consumer`
+  (for plain loops) and :class:`django_idempotency.celery.IdempotentConsumer` are thin adapters
+  over it;
+* :func:`park_message`, which parks a message that carries no usable event id where the admin
+  shows it.
+
+What an event id is and where a message carries it lives in :mod:`django_idempotency.event_ids`
+(:func:`new_event_id` too); both are re-exported here.
 
 Poison messages
 ---------------
@@ -36,18 +42,11 @@ outside any transaction, so there the count always commits on its own.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
-import os
-import secrets
-import threading
-import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Generic, NamedTuple, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, NoReturn, TypeVar
 
 from django.db import (
     DatabaseError,
@@ -63,10 +62,24 @@ from django.utils import timezone
 
 from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.event_ids import (
+    EVENT_ID_KEY,
+    MAX_ID_LENGTH,
+    EventId,
+    checked_name,
+    find_event_id,
+    new_event_id,
+    normalize_event_id,
+)
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 
+if TYPE_CHECKING:
+    from django_idempotency.consumers import idempotent_consumer
+
 __all__ = [
+    "EVENT_ID_KEY",
+    "MAX_ID_LENGTH",
     "EventId",
     "Processed",
     "count_delivery",
@@ -74,61 +87,34 @@ __all__ = [
     "idempotent_consumer",
     "new_event_id",
     "normalize_event_id",
+    "park_message",
     "process_event",
     "try_reserve",
 ]
 
 logger = logging.getLogger(__name__)
 
-P = ParamSpec("P")
-R = TypeVar("R")
 T = TypeVar("T")
-
-EventId = str | uuid.UUID
-"""An event id: a string, or a :class:`uuid.UUID` (stored as ``str(uuid)``)."""
-
-EVENT_ID_KEY = "event_id"
-"""The keyword argument, header and mapping key that carry an event id by default."""
-
-MAX_ID_LENGTH = 255
-"""The longest event id, consumer name or topic: the width of their columns."""
 
 ER_DUP_ENTRY = 1062
 """MySQL/MariaDB error number of a duplicate key, and the only one that means "already there"."""
 
 
+def __getattr__(name: str) -> Any:
+    # idempotent_consumer moved to consumers.py, an adapter over this core; it is imported on
+    # first use because consumers.py imports this module.
+    if name == "idempotent_consumer":
+        from django_idempotency.consumers import idempotent_consumer
+
+        return idempotent_consumer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # --- Validation ---------------------------------------------------------------------------------
 
 
-def _checked_name(what: str, value: object, *, allow_empty: bool = False) -> str:
-    if isinstance(value, uuid.UUID):
-        value = str(value)
-    if not isinstance(value, str):
-        raise TypeError(f"The {what} must be a str or a uuid.UUID, not {type(value).__name__}.")
-    if not allow_empty and not value.strip():
-        raise ValueError(f"The {what} is empty.")
-    if len(value) > MAX_ID_LENGTH:
-        raise ValueError(
-            f"The {what} is {len(value)} characters long; the most is {MAX_ID_LENGTH}: "
-            f"{value[:40]!r}..."
-        )
-    if "\x00" in value:
-        raise ValueError(f"The {what} contains a NUL character: {value!r}.")
-    return value
-
-
-def normalize_event_id(event_id: object) -> str:
-    """Return the stored form of an event id, or raise :exc:`ValueError` or :exc:`TypeError`.
-
-    A :class:`uuid.UUID` becomes its canonical ``str`` (lowercase, hyphenated), so the object and
-    ``str(object)`` are the same id. A string is kept exactly as given. An empty or blank id, or
-    one longer than 255 characters, raises :exc:`ValueError`.
-    """
-    return _checked_name("event id", event_id)
-
-
 def _checked_topic(topic: object) -> str:
-    return "" if topic is None else _checked_name("topic", topic, allow_empty=True)
+    return "" if topic is None else checked_name("topic", topic, allow_empty=True)
 
 
 def _ttl(ttl: timedelta | float | None) -> timedelta:
@@ -185,7 +171,7 @@ def try_reserve(
     :raises TransactionManagementError: called outside ``transaction.atomic`` on that database.
     """
     event = normalize_event_id(event_id)
-    name = _checked_name("consumer name", consumer)
+    name = checked_name("consumer name", consumer)
     topic_value = _checked_topic(topic)
     duration = _ttl(ttl)
     alias = _alias(using)
@@ -328,7 +314,7 @@ def count_delivery(
     module notes). One upsert (plus one ``SELECT`` on MySQL/MariaDB).
     """
     event = normalize_event_id(event_id)
-    name = _checked_name("consumer name", consumer)
+    name = checked_name("consumer name", consumer)
     topic_value = _checked_topic(topic)
     alias = _alias(using)
     connection = connections[alias]
@@ -464,10 +450,15 @@ def process_event(
        :class:`EventParked`. (The parking decision waits on the reservation, so a delivery that
        is merely concurrent with a successful one is never parked.)
     4. Otherwise run ``body`` in the transaction; its exception rolls the reservation back and
-       propagates unchanged, so the next delivery runs again.
+       propagates unchanged, so the next delivery runs again. A success clears the
+       ``last_error`` an earlier failed delivery left on the counter.
+    5. An exception raised *after* the transaction committed (by an ``on_commit`` callback the
+       body registered) is raised as :class:`~django_idempotency.exceptions.OnCommitFailed`,
+       with the original as its ``__cause__``: the event is applied and a redelivery would be
+       skipped as a duplicate, so it must not be read as "nothing applied".
     """
     event = normalize_event_id(event_id)
-    name = _checked_name("consumer name", consumer)
+    name = checked_name("consumer name", consumer)
     topic_value = _checked_topic(topic)
     alias = _alias(using)
     limit = conf.MAX_DELIVERIES if max_deliveries is None else max_deliveries
@@ -490,9 +481,13 @@ def process_event(
                 f"Event {event} for consumer {name!r} is parked ({delivery.count} deliveries)."
             )
     over_limit = delivery is not None and delivery.count > limit
+    committed: list[bool] = []
 
     try:
         with transaction.atomic(using=alias):
+            # Registered first, so it runs first among the commit hooks: once it has run, the
+            # transaction has committed, whatever a later hook raises.
+            transaction.on_commit(lambda: committed.append(True), using=alias)
             if not try_reserve(event, name, topic=topic_value, ttl=ttl, using=alias):
                 applied = False
                 result = None
@@ -501,10 +496,14 @@ def process_event(
             else:
                 applied = True
                 result = body()
+                if delivery is not None and delivery.count > 1:
+                    _clear_error(delivery, alias)
     except _ParkInstead:
         assert delivery is not None
         _park_and_raise(delivery, limit, alias)
     except BaseException as exc:
+        if committed and isinstance(exc, Exception):
+            _after_commit_failed(event, name, delivery, exc, alias)
         if delivery is not None and isinstance(exc, Exception):
             _record_error(delivery, exc, alias)
         raise
@@ -518,6 +517,35 @@ def process_event(
         )
         signals.event_duplicate.send(sender=name, event_id=event, topic=topic_value)
     return Processed(applied, result)
+
+
+def _clear_error(delivery: Delivery, using: str) -> None:
+    """Clear the error an earlier delivery recorded, in the transaction of the success."""
+    EventDelivery.objects.using(using).filter(
+        consumer=delivery.consumer, event_id=delivery.event_id
+    ).exclude(last_error="").update(last_error="")
+
+
+def _after_commit_failed(
+    event: str, consumer: str, delivery: Delivery | None, error: Exception, using: str
+) -> NoReturn:
+    logger.error(
+        "event %s applied and committed for consumer %s, but an on_commit callback then "
+        "failed: %s: %s. A redelivery is skipped as a duplicate, so the callback's work is "
+        "not retried.",
+        event,
+        consumer,
+        type(error).__name__,
+        error,
+        extra={"event_id": event, "consumer": consumer},
+    )
+    failure = OnCommitFailed(
+        f"Event {event} for consumer {consumer!r} committed, then an on_commit callback "
+        f"failed: {type(error).__name__}: {error}"
+    )
+    if delivery is not None:
+        _record_error(delivery, failure, using)
+    raise failure from error
 
 
 def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
@@ -549,142 +577,44 @@ def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
     )
 
 
-def find_event_id(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    """The default place of an event id: the ``event_id`` keyword argument, else the
-    ``"event_id"`` key of the first positional argument when that is a mapping. None if neither.
-    """
-    if kwargs.get(EVENT_ID_KEY) is not None:
-        return kwargs[EVENT_ID_KEY]
-    if args and isinstance(args[0], Mapping):
-        return args[0].get(EVENT_ID_KEY)
-    return None
+MISSING_ID_PREFIX = "no-event-id:"
+"""Prefix of the ``event_id`` under which :func:`park_message` parks a message without one."""
 
 
-# --- The decorator for plain consumers ----------------------------------------------------------
-
-
-def idempotent_consumer(
+def park_message(
     consumer: str,
-    event_id: Callable[..., EventId | None] | None = None,
+    message_ref: str,
+    reason: str,
     *,
-    topic: str | Callable[..., str | None] | None = None,
-    ttl: timedelta | float | None = None,
+    topic: str | None = None,
     using: str | None = None,
-    max_deliveries: int | None = None,
-    count_deliveries: bool = True,
-) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
-    """Make a plain consumer function (a Kafka, NATS or SQS loop's handler) run once per event.
+) -> str:
+    """Park a message that carries no usable event id, where the admin shows it; return its key.
 
-    .. code-block:: python
-
-        @idempotent_consumer("billing.order-confirmed", event_id=lambda evt: evt["event_id"])
-        def on_order_confirmed(evt: dict) -> None:
-            LedgerEntry.objects.create(...)
-
-    Each call counts the delivery (see :func:`process_event`), opens
-    ``transaction.atomic(using=...)``, reserves the event and runs the function only the first
-    time. A duplicate returns None and logs ``duplicate ignored`` with the event id and consumer.
-    An event delivered more than ``max_deliveries`` times without completing raises
-    :class:`~django_idempotency.exceptions.EventParked`: acknowledge it (or send it to a dead
-    letter queue) and go on.
-
-    :param consumer: the consumer's stable name. Renaming it makes every event new again.
-    :param event_id: called with the function's arguments, returns the event id. Default: the
-        ``event_id`` keyword argument, or the ``"event_id"`` key of the first positional argument
-        when that is a mapping. No id raises
-        :class:`~django_idempotency.exceptions.MissingEventId`.
-    :param topic: a string, or a callable of the function's arguments; informational.
-    :param ttl: how long the processed-event row is kept; default ``EVENT_TTL``.
-    :param using: the database alias; default the ``DATABASE`` setting.
-    :param max_deliveries: deliveries before the event is parked; default ``MAX_DELIVERIES``.
-    :param count_deliveries: False skips poison-message counting (and parking).
+    Such a message cannot be deduplicated, so it must not run, and it must not vanish either.
+    It is recorded as a parked :class:`~django_idempotency.models.EventDelivery` row for
+    ``consumer`` under the event id ``"no-event-id:<message_ref>"`` (the broker's message or
+    task id), with ``reason`` (what was wrong, and the message's arguments) as its last error.
+    The row lives ``EVENT_TTL`` like any other counter. Logged at ERROR;
+    :data:`~django_idempotency.signals.event_parked` is sent the first time.
     """
-    _checked_name("consumer name", consumer)
-
-    def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
-        if inspect.iscoroutinefunction(func):
-            raise TypeError(
-                f"@idempotent_consumer cannot wrap the coroutine function {func.__qualname__}: "
-                "the reservation and the effect share a synchronous database transaction. Call "
-                "a synchronous handler through asgiref.sync.sync_to_async instead."
-            )
-
-        @functools.wraps(func)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-            raw = (
-                event_id(*args, **kwargs) if event_id is not None else find_event_id(args, kwargs)
-            )
-            if raw is None:
-                raise MissingEventId(
-                    f"Consumer {consumer!r} ({func.__qualname__}) got a message without an event "
-                    "id. Pass event_id=... to @idempotent_consumer to say where it is."
-                )
-            topic_value = topic(*args, **kwargs) if callable(topic) else topic
-            outcome = process_event(
-                consumer,
-                raw,
-                functools.partial(func, *args, **kwargs),
-                topic=topic_value,
-                ttl=ttl,
-                using=using,
-                max_deliveries=max_deliveries,
-                count_deliveries=count_deliveries,
-            )
-            return outcome.result
-
-        return wrapper
-
-    return decorate
-
-
-# --- Producer side: UUIDv7 ----------------------------------------------------------------------
-
-_uuid7_lock = threading.Lock()
-_uuid7_last_ms = 0
-_uuid7_counter = 0
-_COUNTER_BITS = 42
-
-
-def _reset_uuid7_state() -> None:
-    global _uuid7_last_ms, _uuid7_counter
-    _uuid7_last_ms = 0
-    _uuid7_counter = 0
-
-
-if hasattr(os, "register_at_fork"):
-    # A forked child must not continue the parent's counter in the same millisecond.
-    os.register_at_fork(after_in_child=_reset_uuid7_state)
-
-
-def new_event_id() -> uuid.UUID:
-    """A new time-ordered UUID version 7 (RFC 9562), for a producer to stamp an event with.
-
-    48 bits of Unix time in milliseconds, then a 42-bit counter that starts at a random value each
-    millisecond and counts up within it (RFC 9562 section 6.2, method 1), then 32 random bits. Ids
-    from one process are strictly increasing, even within a millisecond or if the clock steps
-    back; ids from different processes are ordered by millisecond. Sorted ids keep a B-tree index
-    compact, and the timestamp tells roughly when the event was created.
-    """
-    global _uuid7_last_ms, _uuid7_counter
-    with _uuid7_lock:
-        now_ms = time.time_ns() // 1_000_000
-        if now_ms > _uuid7_last_ms:
-            _uuid7_last_ms = now_ms
-            # The top bit stays clear so the counter has room to count within the millisecond.
-            _uuid7_counter = secrets.randbits(_COUNTER_BITS - 1)
-        else:
-            _uuid7_counter += 1
-            if _uuid7_counter >> _COUNTER_BITS:
-                # Counter overflow (or a clock that went back): borrow the next millisecond.
-                _uuid7_last_ms += 1
-                _uuid7_counter = secrets.randbits(_COUNTER_BITS - 1)
-        timestamp, counter = _uuid7_last_ms, _uuid7_counter
-    value = (
-        (timestamp & 0xFFFF_FFFF_FFFF) << 80
-        | 0x7 << 76  # version 7
-        | (counter >> 30) << 64  # rand_a: the counter's high 12 bits
-        | 0b10 << 62  # the RFC 9562 variant
-        | (counter & 0x3FFF_FFFF) << 32  # the counter's low 30 bits
-        | secrets.randbits(32)
+    name = checked_name("consumer name", consumer)
+    key = MISSING_ID_PREFIX + str(message_ref)[: MAX_ID_LENGTH - len(MISSING_ID_PREFIX)]
+    alias = _alias(using)
+    delivery = count_delivery(key, name, topic=topic, using=alias)
+    newly = _park(delivery, alias)
+    _record_error(delivery, MissingEventId(reason), alias)
+    logger.error(
+        "MESSAGE PARKED, no usable event id: consumer %s, message %s: %s. Find it in the admin "
+        "under 'event deliveries' (parked), event id %s.",
+        name,
+        message_ref,
+        reason,
+        key,
+        extra={"event_id": key, "consumer": name, "topic": delivery.topic},
     )
-    return uuid.UUID(int=value)
+    if newly:
+        signals.event_parked.send(
+            sender=name, event_id=key, topic=delivery.topic, deliveries=delivery.count
+        )
+    return key

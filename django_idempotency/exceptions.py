@@ -108,3 +108,11 @@ class MissingEventId(IdempotencyError, ValueError):
 
 class EventParked(IdempotencyError):
     """An event was delivered more than ``MAX_DELIVERIES`` times and was parked."""
+
+
+class OnCommitFailed(IdempotencyError):
+    """A consumer's transaction committed, then one of its ``on_commit`` callbacks raised.
+
+    The event is applied and recorded, so a redelivery is skipped as a duplicate: the callback's
+    work is not retried by redelivering. The original error is the ``__cause__``.
+    """

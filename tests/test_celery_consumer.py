@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 from celery import Task
 from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject, Retry
 from django.db import OperationalError, transaction
 
 from django_idempotency import new_event_id
 from django_idempotency.celery import IdempotentConsumer, IdempotentConsumerMixin
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.celery import app
 from testproject.shop.models import Effect, LedgerEntry, Order
@@ -48,6 +48,34 @@ def flaky(self: IdempotentConsumer, event_id: str) -> str:
 @app.task(base=IdempotentConsumer, bind=True, name="tests.db_error")
 def db_error(self: IdempotentConsumer, event_id: str) -> None:
     raise OperationalError("deadlock detected (simulated by the task body)")
+
+
+@app.task(base=IdempotentConsumer, bind=True, name="tests.pay")
+def pay(self: IdempotentConsumer, event_id: str, payment_id: str) -> str:
+    Effect.objects.create(name="pay", payload=f"{event_id}/{payment_id}")
+    return "applied"
+
+
+@app.task(base=IdempotentConsumer, bind=True, name="tests.ignored")
+def ignored(self: IdempotentConsumer, event_id: str) -> None:
+    Effect.objects.create(name="ignored", payload=event_id)
+    raise Ignore("handled elsewhere")
+
+
+@app.task(base=IdempotentConsumer, bind=True, name="tests.replaced")
+def replaced(self: IdempotentConsumer, event_id: str) -> None:
+    Effect.objects.create(name="replaced", payload=event_id)
+    raise self.replace(effect.si(event_id=f"{event_id}-next"))
+
+
+@app.task(base=IdempotentConsumer, bind=True, name="tests.after_commit")
+def after_commit_fails(self: IdempotentConsumer, event_id: str) -> None:
+    Effect.objects.create(name="after_commit", payload=event_id)
+
+    def notify() -> None:
+        raise OperationalError("server closed the connection (in an on_commit callback)")
+
+    transaction.on_commit(notify)
 
 
 @app.task(base=IdempotentConsumer, bind=True, name="tests.fragile", max_deliveries=1)
@@ -200,7 +228,7 @@ def test_autoretry_runs_again_after_a_failed_attempt() -> None:
     assert ProcessedEvent.objects.filter(event_id=event_id).count() == 1
     delivery = EventDelivery.objects.get()
     assert delivery.deliveries == 2
-    assert "first attempt" in delivery.last_error
+    assert delivery.last_error == ""  # the success cleared the first attempt's error
 
 
 @pytest.mark.django_db(transaction=True)
@@ -266,7 +294,7 @@ def test_eager_database_error_raises() -> None:
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("kwargs", [{}, {"event_id": ""}, {"event_id": "x" * 256}])
-def test_from_a_broker_a_message_without_a_valid_id_is_rejected_for_good(
+def test_from_a_broker_a_message_without_a_valid_id_is_parked_not_dropped(
     kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     with (
@@ -276,8 +304,13 @@ def test_from_a_broker_a_message_without_a_valid_id_is_rejected_for_good(
         from_broker(effect, lambda: effect(**kwargs))
     assert raised.value.requeue is False
     assert isinstance(raised.value.reason, MissingEventId)
-    assert "message rejected, no valid event id: task shop.effect" in caplog.text
+    assert "MESSAGE PARKED, no usable event id: consumer shop.effect" in caplog.text
     assert not Effect.objects.exists()
+    parked = EventDelivery.objects.get()  # where the admin lists parked deliveries
+    assert (parked.consumer, parked.event_id) == ("shop.effect", "no-event-id:task-id")
+    assert parked.parked_at is not None
+    assert "MissingEventId" in parked.last_error
+    assert "kwargs=" in parked.last_error  # enough to republish it by hand
 
 
 @pytest.mark.django_db
@@ -291,14 +324,88 @@ def test_from_a_broker_a_parked_event_is_rejected_for_good() -> None:
     assert EventDelivery.objects.get().parked_at is not None
 
 
+@pytest.fixture
+def memory_broker() -> Iterator[Any]:
+    """Publish for real, to kombu's in-memory transport, instead of running tasks eagerly."""
+    saved = app.conf.broker_url, app.conf.task_always_eager
+    app.conf.broker_url, app.conf.task_always_eager = "memory://", False
+    _drop_connections()
+    try:
+        with app.connection_for_write() as connection:
+            queue = connection.SimpleQueue("celery")
+            queue.clear()
+            yield queue
+            queue.close()
+    finally:
+        app.conf.broker_url, app.conf.task_always_eager = saved
+        _drop_connections()
+
+
+def _drop_connections() -> None:
+    """Forget pooled broker connections, so the next publish connects to the current URL."""
+    app._pool = None
+    app.amqp._producer_pool = None
+
+
+def published(queue: Any) -> list[Any]:
+    messages = []
+    while True:
+        try:
+            messages.append(queue.get(block=False))
+        except queue.Empty:
+            return messages
+
+
 @pytest.mark.django_db
-def test_from_a_broker_a_database_error_requeues(caplog: pytest.LogCaptureFixture) -> None:
-    with pytest.raises(Reject) as raised:
+def test_from_a_broker_a_database_error_backs_off_with_a_countdown(
+    memory_broker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.WARNING, logger="django_idempotency"),
+        pytest.raises(Retry) as raised,
+    ):
         from_broker(db_error, lambda: db_error(event_id="evt"))
-    assert raised.value.requeue is True
-    assert isinstance(raised.value.reason, OperationalError)
+    assert isinstance(raised.value.exc, OperationalError)
+    assert 0.5 <= float(raised.value.when) <= 1.0  # database_retry_delay=1, halved by jitter
+    assert "database error, nothing applied, retrying in" in caplog.text
     assert not ProcessedEvent.objects.exists()
-    assert EventDelivery.objects.get().deliveries == 1  # counted, so it cannot loop forever
+    assert EventDelivery.objects.get().deliveries == 1
+    (message,) = published(memory_broker)  # the same message again, later, never lost
+    assert message.headers["retries"] == 1
+    assert message.headers["eta"] is not None
+    assert message.decode()[1] == {"event_id": "evt"}
+
+
+def test_the_database_backoff_doubles_up_to_its_ceiling() -> None:
+    for retries, low, high in [(0, 0.5, 1.0), (3, 4.0, 8.0), (6, 30.0, 60.0), (500, 30.0, 60.0)]:
+        db_error.push_request(retries=retries)
+        try:
+            assert low <= db_error.database_retry_countdown() <= high
+        finally:
+            db_error.pop_request()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_error_after_the_commit_is_not_a_requeue(memory_broker: Any) -> None:
+    """An on_commit callback that raises OperationalError: applied, so never "retry later"."""
+    with pytest.raises(OnCommitFailed) as raised:
+        from_broker(after_commit_fails, lambda: after_commit_fails(event_id="evt"))
+    assert isinstance(raised.value.__cause__, OperationalError)
+    assert not published(memory_broker)  # no retry, no requeue
+    assert effects("after_commit") == 1
+    assert ProcessedEvent.objects.filter(consumer="tests.after_commit").exists()
+    assert "OnCommitFailed" in EventDelivery.objects.get().last_error
+    # A redelivery is a duplicate: which is why the error must not read as "nothing applied".
+    assert from_broker(after_commit_fails, lambda: after_commit_fails(event_id="evt")) is None
+    assert effects("after_commit") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_later_success_clears_the_last_error() -> None:
+    event_id = str(new_event_id())
+    assert flaky.apply(kwargs={"event_id": event_id}, throw=False).get() == "applied"
+    assert attempts == [event_id, event_id]
+    assert EventDelivery.objects.get().last_error == ""
 
 
 @pytest.mark.django_db
@@ -310,3 +417,62 @@ def test_from_a_broker_a_header_sets_a_request_attribute() -> None:
     finally:
         effect.pop_request()
     assert Effect.objects.get().payload == "hdr-1"
+
+
+# --- Where the event id is, and what a missing one does ------------------------------------------
+
+
+@pytest.mark.django_db
+def test_a_positional_event_id_is_found_by_the_signature() -> None:
+    event_id = str(new_event_id())
+    assert pay.delay(event_id, "p-1").get() == "applied"
+    assert pay.delay(event_id, "p-1").get() is None
+    assert pay.delay(event_id=event_id, payment_id="p-1").get() is None
+    assert from_broker(pay, lambda: pay(event_id, "p-1")) is None
+    assert effects("pay") == 1
+    assert ProcessedEvent.objects.get().event_id == event_id
+
+
+@pytest.mark.django_db
+def test_an_integer_event_id_is_its_decimal_string() -> None:
+    assert pay.delay(42, "p-1").get() == "applied"
+    assert pay.delay("42", "p-1").get() is None
+    assert ProcessedEvent.objects.get().event_id == "42"
+
+
+@pytest.mark.django_db
+def test_a_direct_call_without_an_event_id_raises_the_documented_error() -> None:
+    """No broker to give the message back to: MissingEventId itself, never a Reject."""
+    with pytest.raises(MissingEventId, match="without an event id"):
+        effect()
+    assert not EventDelivery.objects.exists()
+
+
+@pytest.mark.django_db
+def test_a_direct_call_with_a_database_error_raises_it() -> None:
+    with pytest.raises(OperationalError):
+        db_error(event_id="evt")
+
+
+# --- Ignore and replace() -----------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_ignore_commits_before_it_is_raised() -> None:
+    """Celery acks an Ignore and never redelivers: what the body did must commit."""
+    with pytest.raises(Ignore):
+        from_broker(ignored, lambda: ignored(event_id="evt"))
+    assert effects("ignored") == 1
+    assert ProcessedEvent.objects.filter(consumer="tests.ignored", event_id="evt").exists()
+    assert from_broker(ignored, lambda: ignored(event_id="evt")) is None  # a duplicate now
+    assert effects("ignored") == 1
+
+
+@pytest.mark.django_db
+def test_replace_commits_and_a_duplicate_does_not_publish_again(memory_broker: Any) -> None:
+    with pytest.raises(Ignore):
+        from_broker(replaced, lambda: replaced(event_id="evt"))
+    assert from_broker(replaced, lambda: replaced(event_id="evt")) is None  # a duplicate
+    assert effects("replaced") == 1
+    messages = published(memory_broker)
+    assert [message.decode()[1] for message in messages] == [{"event_id": "evt-next"}]

@@ -115,10 +115,23 @@ def test_an_empty_or_too_long_id_is_a_value_error(bad: str) -> None:
         normalize_event_id(bad)
 
 
-@pytest.mark.parametrize("bad", [42, None, b"bytes"])
+@pytest.mark.parametrize("bad", [4.2, None, b"bytes", True])
 def test_an_id_of_another_type_is_a_type_error(bad: object) -> None:
     with pytest.raises(TypeError):
         normalize_event_id(bad)
+
+
+def test_an_integer_id_is_its_decimal_string() -> None:
+    """An outbox primary key is an id: 42 and "42" are the same event."""
+    assert normalize_event_id(42) == "42"
+    assert normalize_event_id(10**30) == "1" + "0" * 30
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_integer_id_and_its_string_are_one_event() -> None:
+    with transaction.atomic():
+        assert try_reserve(42, "ledger") is True
+        assert try_reserve("42", "ledger") is False
 
 
 # --- try_reserve --------------------------------------------------------------------------------
@@ -200,7 +213,8 @@ def test_expiry_comes_from_ttl_or_the_setting() -> None:
         ({"ttl": 0}, ValueError),
         ({"ttl": timedelta(seconds=-1)}, ValueError),
         ({"ttl": "1 day"}, TypeError),
-        ({"event_id": 12}, TypeError),
+        ({"event_id": 1.5}, TypeError),
+        ({"event_id": True}, TypeError),
     ],
 )
 def test_invalid_arguments(kwargs: dict[str, Any], error: type[Exception]) -> None:
@@ -607,7 +621,7 @@ def test_try_reserve_on_the_partitioned_layout() -> None:
 def test_new_event_ids_stay_ordered_when_the_clock_steps_back_or_the_counter_overflows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from django_idempotency import events
+    from django_idempotency import event_ids as events
 
     ahead = time.time_ns() // 1_000_000 + 60_000  # the last id came from a clock a minute ahead
     monkeypatch.setattr(events, "_uuid7_last_ms", ahead)
@@ -621,7 +635,7 @@ def test_new_event_ids_stay_ordered_when_the_clock_steps_back_or_the_counter_ove
 
 
 def test_a_forked_child_starts_a_fresh_uuid7_sequence() -> None:
-    from django_idempotency import events
+    from django_idempotency import event_ids as events
 
     new_event_id()
     events._reset_uuid7_state()  # what os.register_at_fork runs in the child
