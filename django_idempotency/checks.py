@@ -7,7 +7,7 @@ django_idempotency.E001 ``IDEMPOTENCY`` holds a key this app does not know.
 django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of zero or less...).
 django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
 django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
-django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported.
+django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported, or is not callable.
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 ======================  =====================================================================
@@ -15,6 +15,7 @@ django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 
 from __future__ import annotations
 
+import inspect
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +29,7 @@ from django_idempotency.conf import OPTIONS, SETTING_NAME, conf
 MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
 AUTHENTICATION_MIDDLEWARE_PATH = "django.contrib.auth.middleware.AuthenticationMiddleware"
 MIN_RECORD_TTL = timedelta(hours=24)
+OWNER_ERROR = "django_idempotency.E005"
 
 
 @register(Tags.compatibility)
@@ -61,17 +63,21 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             )
     messages.extend(_ttl_warnings(valid))
     if valid.get("OWNER"):
-        try:
-            import_string(valid["OWNER"])
-        except ImportError as exc:
-            messages.append(
-                Error(
-                    f"{SETTING_NAME}['OWNER'] = {valid['OWNER']!r} cannot be imported: {exc}.",
-                    hint="Point it at a callable that takes the request and returns a string.",
-                    id="django_idempotency.E005",
-                )
-            )
+        messages.extend(_owner_errors(valid["OWNER"]))
     return messages
+
+
+def _owner_errors(path: str) -> list[CheckMessage]:
+    hint = "Point it at a callable that takes the request and returns a string."
+    try:
+        owner = import_string(path)
+    except ImportError as exc:
+        problem = f"cannot be imported: {exc}"
+    else:
+        if callable(owner) and not inspect.ismodule(owner):
+            return []
+        problem = f"names a {type(owner).__name__}, which is not callable"
+    return [Error(f"{SETTING_NAME}['OWNER'] = {path!r} {problem}.", hint=hint, id=OWNER_ERROR)]
 
 
 def _ttl_warnings(valid: dict[str, Any]) -> list[CheckMessage]:

@@ -14,6 +14,7 @@ validates a user's value. :data:`conf` reads ``settings.IDEMPOTENCY`` on each ac
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,21 +32,48 @@ def _error(name: str, message: str) -> ImproperlyConfigured:
     return ImproperlyConfigured(f"{SETTING_NAME}[{name!r}] {message}")
 
 
+MAX_DURATION = timedelta(days=3650)
+"""The longest TTL or lease: ten years. Beyond it ``now + ttl`` nears the end of the calendar
+(a ``datetime`` stops at year 9999) and no retry or redelivery is that late."""
+
+MAX_SECONDS = MAX_DURATION.total_seconds()
+
+MAX_BATCH_SIZE = 1_000_000
+"""The largest purge batch: one transaction of this many rows is already long."""
+
+
 def _duration(name: str, value: Any) -> timedelta:
     if isinstance(value, bool) or not isinstance(value, (timedelta, int, float)):
         raise _error(name, f"must be a timedelta or a number of seconds, not {value!r}.")
-    duration = value if isinstance(value, timedelta) else timedelta(seconds=value)
-    if duration <= timedelta(0):
-        raise _error(name, f"must be longer than zero, not {duration}.")
+    if not isinstance(value, timedelta):
+        if not math.isfinite(value) or abs(value) > MAX_SECONDS:
+            raise _error(
+                name, f"must be a finite duration of at most {MAX_DURATION}, not {value!r}."
+            )
+        value = timedelta(seconds=value)
+    if value <= timedelta(0):
+        raise _error(name, f"must be longer than zero, not {value}.")
+    if value > MAX_DURATION:
+        raise _error(name, f"must be at most {MAX_DURATION} (ten years), not {value}.")
+    duration: timedelta = value
     return duration
 
 
 def _seconds(name: str, value: Any) -> float:
-    """A non-negative number of seconds (a timedelta is accepted too)."""
+    """A non-negative, finite number of seconds (a timedelta is accepted too)."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _error(name, f"must be zero or a positive number of seconds, not {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_SECONDS
+    ):
+        raise _error(
+            name,
+            f"must be zero or a positive, finite number of seconds (at most {MAX_SECONDS:.0f}), "
+            f"not {value!r}.",
+        )
     return float(value)
 
 
@@ -97,12 +125,21 @@ def _patterns(name: str, value: Any) -> tuple[re.Pattern[str], ...]:
     return tuple(compiled)
 
 
-def _status_codes(name: str, value: Any) -> frozenset[int]:
+def _client_error_statuses(name: str, value: Any) -> frozenset[int]:
+    """4xx statuses only: a 2xx or 3xx answer has taken effect, and must be stored and replayed
+    (releasing its record would let every retry run the command again); a 5xx is never stored."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise _error(name, f"must be a list of HTTP status codes, not {value!r}.")
     codes = tuple(value)
-    if not all(isinstance(code, int) and 100 <= code <= 599 for code in codes):
-        raise _error(name, f"must contain only HTTP status codes (100-599), not {codes!r}.")
+    if not all(isinstance(code, int) and not isinstance(code, bool) for code in codes):
+        raise _error(name, f"must contain only HTTP status codes, not {codes!r}.")
+    others = sorted(code for code in codes if not 400 <= code <= 499)
+    if others:
+        raise _error(
+            name,
+            f"may list only 4xx statuses, not {', '.join(map(str, others))}: a response that "
+            "took effect must be stored, or every retry would run the command again.",
+        )
     return frozenset(codes)
 
 
@@ -180,7 +217,7 @@ OPTIONS: dict[str, Option] = {
     ),
     "UNSTORED_STATUSES": Option(
         (401, 403, 408, 409, 425, 429),
-        _status_codes,
+        _client_error_statuses,
         "4xx statuses that depend on time or credentials and are never stored.",
     ),
     "ROLLBACK_ON_SERVER_ERROR": Option(
@@ -200,7 +237,9 @@ OPTIONS: dict[str, Option] = {
     "MAX_DELIVERIES": Option(
         5, _positive_int(), "Deliveries of one event before a consumer parks it."
     ),
-    "PURGE_BATCH_SIZE": Option(1000, _positive_int(), "Rows deleted per purge transaction."),
+    "PURGE_BATCH_SIZE": Option(
+        1000, _positive_int(MAX_BATCH_SIZE), "Rows deleted per purge transaction."
+    ),
     "PURGE_MAX_SECONDS": Option(
         300, _seconds, "Wall-clock budget of one purge run (0: no limit)."
     ),

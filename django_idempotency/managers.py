@@ -18,10 +18,11 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
 * When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.partitioning`), its
   ``delete_expired`` only deletes rows in the timeless and default partitions; day or month
   partitions are dropped whole by :func:`~django_idempotency.partitioning.maintain`, which
-  :func:`purge_all` runs too.
+  :func:`~django_idempotency.purge.purge_all` runs too.
 
-:func:`purge_all` runs the purge over the three tables within one time budget; the Celery task
-and the ``idempotency_purge`` command are thin wrappers around it.
+Each queryset works on ``IDEMPOTENCY["DATABASE"]``, or on the alias picked with ``.using()``;
+the database router is not consulted. :func:`django_idempotency.purge.purge_all` runs the purge
+over the three tables of every database that holds them.
 """
 
 from __future__ import annotations
@@ -29,105 +30,57 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from django.db import connections, models, transaction
-from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Q
-from django.db.models.functions import Now
-from django.db.models.sql.compiler import SQLCompiler
 
-from django_idempotency.conf import conf
+from django_idempotency.clock import DatabaseNow
+from django_idempotency.conf import MAX_BATCH_SIZE, conf
+from django_idempotency.reports import PurgeResult, TableStats
 
-if TYPE_CHECKING:
-    from django.db.models.sql.compiler import _AsSqlType
-
-    from django_idempotency.partitioning import MaintenanceResult
+__all__ = [
+    "DatabaseNow",
+    "EventDeliveryQuerySet",
+    "ExpiringQuerySet",
+    "IdempotencyRecordQuerySet",
+    "ProcessedEventQuerySet",
+    "PurgeResult",
+    "TableStats",
+]
 
 _M = TypeVar("_M", bound=models.Model)
 
 
-class DatabaseNow(Now):
-    """The database server's current time, compared in UTC on every backend.
+def __getattr__(name: str) -> Any:
+    # purge_all moved to purge.py, which imports the models (and so this module).
+    if name == "purge_all":
+        from django_idempotency.purge import purge_all
 
-    Django's :class:`~django.db.models.functions.Now` is ``CURRENT_TIMESTAMP(6)`` on MySQL,
-    which is in the session's time zone, while Django stores naive UTC there; this uses
-    ``UTC_TIMESTAMP(6)`` instead. PostgreSQL uses ``STATEMENT_TIMESTAMP()`` and SQLite
-    ``'now'``, both already comparable with stored values.
-    """
-
-    def as_mysql(
-        self, compiler: SQLCompiler, connection: BaseDatabaseWrapper, **extra_context: Any
-    ) -> _AsSqlType:
-        return self.as_sql(compiler, connection, template="UTC_TIMESTAMP(6)", **extra_context)
-
-
-@dataclass(frozen=True)
-class PurgeResult:
-    """What one ``delete_expired`` call did to one table."""
-
-    label: str
-    """The model label, for example ``django_idempotency.IdempotencyRecord``."""
-    deleted: int
-    """Rows deleted; in a dry run, the rows that would be deleted."""
-    batches: int
-    """Transactions it took (in a dry run: would take)."""
-    seconds: float
-    finished: bool
-    """False when the time budget ran out first: run it again to go on."""
-    dry_run: bool = False
-    partitions: MaintenanceResult | None = None
-    """Partitions created and dropped, when the table is range-partitioned."""
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-friendly dict (the Celery task's return value)."""
-        data = asdict(self)
-        data["seconds"] = round(self.seconds, 3)
-        data["partitions"] = None if self.partitions is None else self.partitions.as_dict()
-        return data
-
-
-@dataclass(frozen=True)
-class TableStats:
-    """Monitoring figures for one table; every figure is cheap (an index or the catalog)."""
-
-    label: str
-    table: str
-    size_bytes: int | None
-    """Table plus indexes (all partitions) on PostgreSQL and MySQL; None on SQLite."""
-    approx_rows: int | None
-    """The planner's estimate (PostgreSQL, MySQL) or an exact count (SQLite)."""
-    expired: int
-    """Rows past ``expires_at`` that the purge may delete now: its backlog."""
-    oldest_expires_at: datetime | None
-    """The smallest ``expires_at``: far in the past means the purge is not keeping up."""
-    counts: dict[str, int] = field(default_factory=dict)
-    """Per-table figures: ``in_progress`` and ``live_leases`` for records, ``parked`` for
-    deliveries."""
-
-    def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["oldest_expires_at"] = (
-            None if self.oldest_expires_at is None else self.oldest_expires_at.isoformat()
-        )
-        return data
+        return purge_all
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _batch_size(value: int | None) -> int:
     if value is None:
         return conf.PURGE_BATCH_SIZE
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"batch_size must be a positive integer, not {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_BATCH_SIZE:
+        raise ValueError(
+            f"batch_size must be a positive integer of at most {MAX_BATCH_SIZE}, not {value!r}."
+        )
     return value
 
 
 def _max_seconds(value: float | None) -> float:
     if value is None:
         return conf.PURGE_MAX_SECONDS
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"max_seconds must be zero (no limit) or more, not {value!r}.")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"max_seconds must be zero (no limit) or a finite number, not {value!r}.")
     return float(value)
 
 
@@ -309,40 +262,3 @@ class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
 class EventDeliveryQuerySet(ExpiringQuerySet[_M]):
     def _extra_counts(self) -> dict[str, int]:
         return {"parked": self.using(self._alias()).filter(parked_at__isnull=False).count()}
-
-
-def purge_all(
-    batch_size: int | None = None,
-    max_seconds: float | None = None,
-    dry_run: bool = False,
-) -> list[PurgeResult]:
-    """Purge the three tables within one time budget and return one result per table.
-
-    Each table gets an equal share of what is left of ``max_seconds`` (a table that finishes
-    early leaves its share to the next), so a backlog in one table cannot starve the others.
-    When ``ProcessedEvent`` is range-partitioned, partitions are also created ahead and expired
-    ones dropped.
-    """
-    from django_idempotency import partitioning
-    from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
-
-    size = _batch_size(batch_size)
-    budget = _max_seconds(max_seconds)
-    deadline = time.monotonic() + budget
-    managers: list[Any] = [
-        IdempotencyRecord.objects,
-        ProcessedEvent.objects,
-        EventDelivery.objects,
-    ]
-    results: list[PurgeResult] = []
-    for position, manager in enumerate(managers):
-        share = 0.0
-        if budget:
-            # Never 0 (no limit) once the budget is spent: then each table runs one batch.
-            share = max((deadline - time.monotonic()) / (len(managers) - position), 1e-6)
-        result = manager.delete_expired(batch_size=size, max_seconds=share, dry_run=dry_run)
-        if manager.model is ProcessedEvent and partitioning.is_partitioned(conf.DATABASE):
-            maintenance = partitioning.maintain(conf.DATABASE, dry_run=dry_run)
-            result = replace(result, partitions=maintenance)
-        results.append(result)
-    return results

@@ -34,14 +34,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
 
 from django_idempotency.conf import PARTITION_INTERVALS, conf
-from django_idempotency.managers import PurgeResult
+from django_idempotency.models import ProcessedEvent
+from django_idempotency.reports import MaintenanceResult, PurgeResult
 
 PARTITION_COLUMN = "occurred_at"
 """The partition key column added by :func:`convert`."""
@@ -155,28 +155,7 @@ class Partition:
         return self.start is not None and self.end is not None
 
 
-@dataclass(frozen=True)
-class MaintenanceResult:
-    created: tuple[str, ...] = ()
-    dropped: tuple[str, ...] = ()
-    dropped_rows: int = 0
-    """The planner's estimate of the rows the dropped partitions held."""
-    kept: tuple[tuple[str, str], ...] = ()
-    """Partitions old enough to drop that were kept, with the reason."""
-    dry_run: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "created": list(self.created),
-            "dropped": list(self.dropped),
-            "dropped_rows": self.dropped_rows,
-            "kept": [list(item) for item in self.kept],
-            "dry_run": self.dry_run,
-        }
-
-
 def _table() -> str:
-    from django_idempotency.models import ProcessedEvent
 
     return ProcessedEvent._meta.db_table
 
@@ -314,7 +293,6 @@ def convert(
     now plus a default partition, copies every row with its partition key computed from the
     event id in SQL, and swaps the tables. Returns the partitions it created.
     """
-    from django_idempotency.models import ProcessedEvent
 
     require_postgresql(alias)
     width = _interval(interval)
@@ -398,7 +376,6 @@ def revert(alias: str, lock_timeout: str = "10s") -> int:
     One transaction under an ``ACCESS EXCLUSIVE`` lock. If the same (consumer, event id) was
     stored under two partition keys, the row that expires last is kept. Returns the rows copied.
     """
-    from django_idempotency.models import ProcessedEvent
 
     require_postgresql(alias)
     connection = connections[alias]
@@ -445,8 +422,6 @@ def revert(alias: str, lock_timeout: str = "10s") -> int:
 def _column(field_name: str) -> str:
     from django.db.models import Field
 
-    from django_idempotency.models import ProcessedEvent
-
     field = ProcessedEvent._meta.get_field(field_name)
     if not isinstance(field, Field) or field.column is None:
         raise ImproperlyConfigured(f"ProcessedEvent.{field_name} is not a column.")
@@ -455,8 +430,6 @@ def _column(field_name: str) -> str:
 
 def _unique_constraint_name() -> str:
     from django.db.models import UniqueConstraint
-
-    from django_idempotency.models import ProcessedEvent
 
     for constraint in ProcessedEvent._meta.constraints:
         if isinstance(constraint, UniqueConstraint) and set(constraint.fields) == {
@@ -673,7 +646,6 @@ def purge_row_partitions(
     LOCKED)``) in its own transaction. Range partitions are left to
     :func:`drop_expired_partitions`.
     """
-    from django_idempotency.models import ProcessedEvent
 
     label = ProcessedEvent._meta.label
     started = time.monotonic()

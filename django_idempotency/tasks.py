@@ -18,23 +18,38 @@ from typing import Any
 
 from celery import shared_task
 
-from django_idempotency.managers import purge_all
+from django_idempotency.conf import conf
+from django_idempotency.purge import purge_all
+from django_idempotency.reports import PurgeResult
 
 PURGE_TASK_NAME = "django_idempotency.purge_expired"
 
 
 @shared_task(name=PURGE_TASK_NAME)
 def purge_expired(
-    batch_size: int | None = None, max_seconds: float | None = None
+    batch_size: int | None = None,
+    max_seconds: float | None = None,
+    databases: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Delete expired records, processed events and delivery counters in bounded batches.
 
-    Arguments default to ``IDEMPOTENCY["PURGE_BATCH_SIZE"]`` and ``["PURGE_MAX_SECONDS"]``.
-    Returns ``{model label: {"deleted": ..., "batches": ..., "finished": ...}}``; a table that
-    is not ``finished`` ran out of time and is continued by the next run. On a partitioned
-    ``ProcessedEvent`` table it also creates partitions ahead and drops expired ones.
+    Arguments default to ``IDEMPOTENCY["PURGE_BATCH_SIZE"]`` and ``["PURGE_MAX_SECONDS"]``;
+    ``databases`` lists the aliases to purge (default ``IDEMPOTENCY["DATABASE"]``): list every
+    alias that consumers write to with ``using=`` or a task's ``database`` option. Returns
+    ``{model label: {"deleted": ..., "batches": ..., "finished": ...}}``, the label prefixed
+    with ``"<alias>:"`` for an alias other than ``DATABASE``; a table that is not ``finished``
+    ran out of time and is continued by the next run. On a partitioned ``ProcessedEvent`` table
+    it also creates partitions ahead and drops expired ones.
     """
     return {
-        result.label: result.as_dict()
-        for result in purge_all(batch_size=batch_size, max_seconds=max_seconds)
+        _key(result): result.as_dict()
+        for result in purge_all(
+            batch_size=batch_size, max_seconds=max_seconds, databases=databases
+        )
     }
+
+
+def _key(result: PurgeResult) -> str:
+    if result.database in (None, conf.DATABASE):
+        return result.label
+    return f"{result.database}:{result.label}"

@@ -82,6 +82,15 @@ if _default_db["ENGINE"] == "django.db.backends.mysql":
         {"charset": "utf8mb4", "isolation_level": "read committed"}
     )
     _default_db["TEST"].update({"CHARSET": "utf8mb4", "COLLATION": "utf8mb4_unicode_ci"})
+# A second alias on the same server, for consumers that write with using="other" (the purge
+# tests); a test that uses it asks for it with databases=["default", "other"].
+DATABASES["other"] = {
+    **_default_db,
+    "TEST": {
+        **_default_db["TEST"],
+        "NAME": str(_default_db["TEST"]["NAME"]).replace("test_", "test_other_", 1),
+    },
+}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -123,15 +123,25 @@ def test_event_id_in_a_message_header(group: WorkerGroup) -> None:
     assert effects("shop.effect", event_id) == 1
 
 
-def test_message_without_event_id_is_rejected_not_retried(group: WorkerGroup) -> None:
+def test_message_without_event_id_is_parked_not_retried(group: WorkerGroup) -> None:
     (result,) = [group.publish("shop.effect")]
 
     (outcome,) = wait(group, [result])
     assert result.state == "FAILURE"
     assert "without an event id" in str(outcome)
     assert not Effect.objects.exists()
-    assert not EventDelivery.objects.exists()
-    assert "message rejected, no valid event id" in group.logs()
+    parked = deliveries("shop.effect", f"no-event-id:{result.id}")
+    assert parked.parked_at is not None
+    assert "MissingEventId" in parked.last_error
+    assert "MESSAGE PARKED, no usable event id" in group.logs()
+
+
+def test_positional_event_id_published_twice_gives_one_effect(group: WorkerGroup) -> None:
+    event_id = str(new_event_id())
+    results = [group.publish("shop.effect", args=[event_id]) for _ in range(2)]
+
+    assert Counter(wait(group, results)) == {"applied": 1, None: 1}
+    assert effects("shop.effect", event_id) == 1
 
 
 def test_ten_publishes_at_once_on_two_workers_give_one_effect(group: WorkerGroup) -> None:
@@ -171,6 +181,21 @@ def test_failure_then_autoretry_gives_one_effect(group: WorkerGroup, tmp_path: P
     delivery = deliveries("shop.flaky_effect", event_id)
     assert delivery.deliveries == 2  # the failed attempt's reservation did not survive
     assert delivery.last_error == ""  # the success cleared the failed attempt's error
+
+
+def test_database_errors_back_off_then_apply_once(group: WorkerGroup, tmp_path: Path) -> None:
+    event_id = str(new_event_id())
+    marker = tmp_path / "attempts"
+    result = group.publish(
+        "shop.database_unavailable", kwargs={"event_id": event_id, "marker": str(marker)}
+    )
+
+    assert wait(group, [result]) == ["applied"]
+    assert marker.read_text() == "xx"  # two attempts failed before the third applied
+    assert effects("shop.database_unavailable", event_id) == 1
+    logs = group.logs()
+    assert logs.count("retrying in") >= 2, logs  # a countdown each time, no hot requeue
+    assert "(retry 1)" in logs and "(retry 2)" in logs
 
 
 def test_worker_child_killed_mid_task_is_redelivered_and_applied_once(

@@ -65,6 +65,33 @@ def test_unimportable_owner_is_e005() -> None:
     assert ids(check_settings()) == ["django_idempotency.E005"]
 
 
+@pytest.mark.parametrize("path", ["os.path", "django_idempotency.conf.MAX_BATCH_SIZE"])
+def test_an_owner_that_is_not_callable_is_e005(path: str) -> None:
+    with override_settings(IDEMPOTENCY={"OWNER": path}):
+        messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E005"]
+    assert "not callable" in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("RECORD_TTL", float("nan")),
+        ("RECORD_TTL", float("inf")),
+        ("RECORD_TTL", 10**20),
+        ("WAIT", float("nan")),
+        ("PURGE_MAX_SECONDS", float("inf")),
+        ("UNSTORED_STATUSES", [201]),
+    ],
+)
+def test_values_that_used_to_fail_later_are_e002(name: str, value: object) -> None:
+    """Each once passed or crashed `manage.py check`, then failed every request or purge."""
+    with override_settings(IDEMPOTENCY={name: value}):
+        messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E002"]
+    assert name in messages[0].msg
+
+
 @override_settings(IDEMPOTENCY={"RECORD_TTL": timedelta(hours=1)})
 def test_short_record_ttl_is_w001() -> None:
     assert ids(check_settings()) == ["django_idempotency.W001"]

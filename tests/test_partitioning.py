@@ -363,7 +363,7 @@ def test_new_partition_takes_its_rows_from_the_default_partition(partitioned: No
 
 @pytest.mark.postgres
 def test_purge_runs_partition_maintenance(partitioned: None) -> None:
-    from django_idempotency.managers import purge_all
+    from django_idempotency.purge import purge_all
 
     results = {r.label: r for r in purge_all(dry_run=True)}
 

@@ -20,14 +20,16 @@ from unittest import mock
 import pytest
 from django.conf import settings
 from django.core.management import CommandError, call_command
-from django.db import close_old_connections, connection
+from django.db import close_old_connections, connection, transaction
 from django.db.models import Model
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency.managers import DatabaseNow, PurgeResult, purge_all
+from django_idempotency.events import try_reserve
+from django_idempotency.managers import DatabaseNow, PurgeResult
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.purge import purge_all
 from django_idempotency.tasks import PURGE_TASK_NAME, purge_expired
 
 pytestmark = pytest.mark.django_db
@@ -280,11 +282,108 @@ def test_command_warns_when_the_budget_runs_out() -> None:
 
 
 @pytest.mark.parametrize(
-    "args", [["--batch-size", "0"], ["--batch-size", "x"], ["--max-seconds", "-1"]]
+    "args",
+    [
+        ["--batch-size", "0"],
+        ["--batch-size", "x"],
+        ["--batch-size", "99999999999999999999"],
+        ["--max-seconds", "-1"],
+        ["--max-seconds", "nan"],
+        ["--max-seconds", "inf"],
+        ["--database", "nowhere"],
+    ],
 )
 def test_command_rejects_bad_arguments(args: list[str]) -> None:
     with pytest.raises(CommandError):
         run_purge(*args)
+
+
+@pytest.mark.parametrize("batch_size", [0, 10**20, True])
+def test_purge_all_rejects_a_batch_size_out_of_range(batch_size: int) -> None:
+    with pytest.raises(ValueError, match="batch_size"):
+        purge_all(batch_size=batch_size)
+
+
+# --- several databases ------------------------------------------------------------------------
+
+
+def seed_other() -> tuple[int, int]:
+    now = timezone.now()
+    old = ProcessedEvent.objects.using("other").create(
+        consumer="billing", event_id="old", expires_at=now - HOUR
+    )
+    with transaction.atomic(using="other"):
+        assert try_reserve("new", "billing", using="other")
+    return old.pk, ProcessedEvent.objects.using("other").get(event_id="new").pk
+
+
+@pytest.mark.django_db(databases=["default", "other"])
+def test_the_purge_covers_each_database_it_is_given() -> None:
+    """Rows a consumer wrote with using="other" are purged when "other" is listed."""
+    old, new = seed_other()
+    seed(ProcessedEvent, expired=1, live=0)
+
+    purge_all()  # IDEMPOTENCY["DATABASE"] only, as documented
+    assert set(ProcessedEvent.objects.using("other").values_list("pk", flat=True)) == {old, new}
+    assert not ProcessedEvent.objects.exists()
+
+    results = purge_all(databases=["default", "other"])
+    assert [(r.database, r.label) for r in results] == [
+        (alias, model._meta.label)
+        for alias in ("default", "other")
+        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
+    ]
+    assert set(ProcessedEvent.objects.using("other").values_list("pk", flat=True)) == {new}
+
+
+@pytest.mark.django_db(databases=["default", "other"])
+def test_the_command_and_the_task_take_the_databases() -> None:
+    seed_other()
+    output = run_purge("--database", "default", "--database", "other")
+    assert "[other] processed events: deleted 1 in 1 batch" in output
+    seed_other_again = ProcessedEvent.objects.using("other").create(
+        consumer="billing", event_id="older", expires_at=timezone.now() - HOUR
+    )
+    result = purge_expired.apply(kwargs={"databases": ["other"]}).get(timeout=30)
+    assert result[f"other:{ProcessedEvent._meta.label}"]["deleted"] == 1
+    assert not ProcessedEvent.objects.using("other").filter(pk=seed_other_again.pk).exists()
+    stats = json.loads(run_purge("--stats", "--database", "other"))
+    assert {row["database"] for row in stats} == {"other"}
+
+
+# --- the DELETE re-checks expiry --------------------------------------------------------------
+
+
+REVIVE: dict[type[Model], dict[str, Any]] = {
+    IdempotencyRecord: {"expires_at": timezone.now() + timedelta(days=3650)},
+    ProcessedEvent: {"expires_at": timezone.now() + timedelta(days=3650)},
+    EventDelivery: {"expires_at": timezone.now() + timedelta(days=3650)},
+}
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("model", list(MAKERS), ids=lambda m: m.__name__)
+def test_a_row_revived_between_the_select_and_the_delete_is_kept(model: type[Model]) -> None:
+    """Deterministic: the row is revived after the purge selected it, just before its DELETE."""
+    gone, _ = seed(model, expired=3, live=0)
+    target = min(gone)
+    table = model._meta.db_table
+    revived: list[str] = []
+
+    def revive_before_the_delete(
+        execute: Callable[..., Any], sql: str, params: Any, many: bool, context: Any
+    ) -> Any:
+        if not revived and sql.lstrip().upper().startswith("DELETE") and table in sql:
+            revived.append(sql)
+            model._base_manager.filter(pk=target).update(**REVIVE[model])
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(revive_before_the_delete):
+        result = model._default_manager.delete_expired(batch_size=10)  # type: ignore[attr-defined]
+
+    assert revived, "the purge ran no DELETE"
+    assert pks(model) == {target}
+    assert result.deleted == 2
 
 
 def test_command_stats_prints_json() -> None:
@@ -325,7 +424,7 @@ def test_task_runs_the_purge_eagerly() -> None:
     assert result[IdempotencyRecord._meta.label]["batches"] == 2
     assert result[EventDelivery._meta.label]["deleted"] == 2
     assert result[ProcessedEvent._meta.label] == PurgeResult(
-        ProcessedEvent._meta.label, 0, 0, 0.0, finished=True
+        ProcessedEvent._meta.label, 0, 0, 0.0, finished=True, database="default"
     ).as_dict() | {"seconds": result[ProcessedEvent._meta.label]["seconds"]}
     assert json.loads(json.dumps(result)) == result  # JSON-serializable for any result backend
     assert IdempotencyRecord.objects.count() == 1

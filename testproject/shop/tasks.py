@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import shared_task
-from django.db import transaction
+from django.db import OperationalError, transaction
 
 from django_idempotency import idempotent_consumer
 from django_idempotency.celery import IdempotentConsumer
@@ -119,6 +119,24 @@ def flaky_effect(self: IdempotentConsumer, event_id: str, marker: str) -> str:
     _effect(self)
     if _first_time(marker):
         raise TransientError(f"first attempt of {event_id} fails")
+    return "applied"
+
+
+@shared_task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="shop.database_unavailable",
+    database_retry_delay=0.2,
+    database_retry_delay_max=0.5,
+)
+def database_unavailable(self: IdempotentConsumer, event_id: str, marker: str) -> str:
+    """Write an Effect, then fail with OperationalError on the first two attempts."""
+    _effect(self)
+    attempts = Path(marker)
+    tried = len(attempts.read_text()) if attempts.exists() else 0
+    if tried < 2:
+        attempts.write_text("x" * (tried + 1))
+        raise OperationalError("could not connect to server (simulated)")
     return "applied"
 
 

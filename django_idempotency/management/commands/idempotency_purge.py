@@ -9,20 +9,28 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from django_idempotency.managers import PurgeResult, purge_all
+from django_idempotency.conf import MAX_BATCH_SIZE, MAX_SECONDS, conf
+from django_idempotency.purge import purge_all, purged_databases
+from django_idempotency.reports import PurgeResult
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ArgumentTypeError(f"must be a positive integer, not {value}")
+def _batch_size(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if not 1 <= value <= MAX_BATCH_SIZE:
+        raise ArgumentTypeError(f"must be from 1 to {MAX_BATCH_SIZE}, not {text}")
     return value
 
 
 def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise ArgumentTypeError(f"must be zero (no limit) or more, not {value}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
+    if not 0 <= value <= MAX_SECONDS:  # NaN fails this too
+        raise ArgumentTypeError(f"must be from 0 (no limit) to {MAX_SECONDS:.0f}, not {text}")
     return value
 
 
@@ -38,7 +46,7 @@ class Command(BaseCommand):
         )
         parser.add_argument(
             "--batch-size",
-            type=_positive_int,
+            type=_batch_size,
             default=None,
             metavar="N",
             help='Rows per transaction (default: IDEMPOTENCY["PURGE_BATCH_SIZE"]).',
@@ -51,6 +59,15 @@ class Command(BaseCommand):
             help='Time budget, 0 for none (default: IDEMPOTENCY["PURGE_MAX_SECONDS"]).',
         )
         parser.add_argument(
+            "--database",
+            action="append",
+            dest="databases",
+            metavar="ALIAS",
+            help="A database alias to purge; repeat it for several "
+            '(default: IDEMPOTENCY["DATABASE"]). List every alias that consumers write to '
+            "with using=... or a task's database option.",
+        )
+        parser.add_argument(
             "--stats",
             action="store_true",
             help="Print table size, purge backlog, in-progress and parked counts as JSON; "
@@ -59,13 +76,18 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["stats"]:
-            self._stats()
+            try:
+                aliases = purged_databases(options["databases"])
+            except ValueError as exc:
+                raise CommandError(str(exc)) from exc
+            self._stats(aliases)
             return
         try:
             results = purge_all(
                 batch_size=options["batch_size"],
                 max_seconds=options["max_seconds"],
                 dry_run=options["dry_run"],
+                databases=options["databases"],
             )
         except (ValueError, ImproperlyConfigured) as exc:
             raise CommandError(str(exc)) from exc
@@ -84,8 +106,9 @@ class Command(BaseCommand):
 
         name = apps.get_model(result.label)._meta.verbose_name_plural
         verb = "would delete" if result.dry_run else "deleted"
+        where = "" if result.database in (None, conf.DATABASE) else f"[{result.database}] "
         text = (
-            f"{name}: {verb} {result.deleted} in {result.batches} "
+            f"{where}{name}: {verb} {result.deleted} in {result.batches} "
             f"batch{'es' if result.batches != 1 else ''} ({result.seconds:.2f}s)"
         )
         if not result.finished:
@@ -102,11 +125,12 @@ class Command(BaseCommand):
                 text += f"; kept {name_kept}: {reason}"
         return text
 
-    def _stats(self) -> None:
+    def _stats(self, aliases: list[str]) -> None:
         from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
 
         stats = [
-            model.objects.stats().as_dict()
+            {"database": alias, **model.objects.using(alias).stats().as_dict()}
+            for alias in aliases
             for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
         ]
         self.stdout.write(json.dumps(stats, indent=2))
