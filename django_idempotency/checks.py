@@ -8,6 +8,8 @@ django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of 
 django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
 django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
 django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported, or is not callable.
+django_idempotency.E010 On MySQL/MariaDB, a key, owner, event id or consumer column does not
+                        have a binary collation (``manage.py check --database``).
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 ======================  =====================================================================
@@ -122,3 +124,29 @@ def check_middleware_order(app_configs: Any = None, **kwargs: Any) -> list[Check
             )
         ]
     return []
+
+
+@register(Tags.database)
+def check_binary_collation(
+    app_configs: Any = None, databases: Any = None, **kwargs: Any
+) -> list[CheckMessage]:
+    """Run by ``migrate`` and ``manage.py check --database ALIAS``: it queries the database."""
+    from django.db import connections
+
+    from django_idempotency.collation import BINARY_COLLATION, non_binary_columns
+
+    messages: list[CheckMessage] = []
+    for alias in databases or ():
+        for table, column, collation in non_binary_columns(connections[alias]):
+            messages.append(
+                Error(
+                    f"{table}.{column} on database {alias!r} has the collation {collation!r}, "
+                    "which does not compare byte for byte: two keys or event ids that differ "
+                    "only in case would be taken for one, and a different event skipped.",
+                    hint=f"Give it {BINARY_COLLATION!r} again: run "
+                    "`manage.py migrate django_idempotency 0001` then `migrate`, or ALTER the "
+                    f"column to COLLATE {BINARY_COLLATION}.",
+                    id="django_idempotency.E010",
+                )
+            )
+    return messages
