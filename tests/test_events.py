@@ -641,3 +641,40 @@ def test_a_forked_child_starts_a_fresh_uuid7_sequence() -> None:
     events._reset_uuid7_state()  # what os.register_at_fork runs in the child
     assert (events._uuid7_last_ms, events._uuid7_counter) == (0, 0)
     assert new_event_id().int >> 80 >= time.time_ns() // 1_000_000 - 1000
+
+
+# --- A lock timeout is an error, not "already processed" (quick, on PostgreSQL and MariaDB) -----
+
+
+@pytest.mark.postgres
+@pytest.mark.mysql
+@pytest.mark.django_db(transaction=True)
+def test_a_lock_timeout_inside_try_reserve_propagates() -> None:
+    """A second connection holds the row; the wait times out, and that must raise."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with transaction.atomic():
+            assert try_reserve("evt-locked", "billing")
+            holding.set()
+            release.wait(JOIN_TIMEOUT)
+            transaction.set_rollback(True)  # the event was never processed
+
+    threads = Threads()
+    threads.start(hold)
+    try:
+        assert holding.wait(JOIN_TIMEOUT)
+        with pytest.raises(OperationalError), transaction.atomic():
+            with connection.cursor() as cursor:
+                if connection.vendor == "postgresql":
+                    cursor.execute("SET LOCAL lock_timeout = '50ms'")
+                else:
+                    cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+            try_reserve("evt-locked", "billing")
+    finally:
+        release.set()
+        if connection.vendor == "mysql":
+            with connection.cursor() as cursor:
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+        threads.join()
+    assert not ProcessedEvent.objects.exists()
