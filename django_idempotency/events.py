@@ -46,7 +46,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, NoReturn, TypeVar
+from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
 from django.db import (
     DatabaseError,
@@ -74,9 +74,6 @@ from django_idempotency.event_ids import (
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 
-if TYPE_CHECKING:
-    from django_idempotency.consumers import idempotent_consumer
-
 __all__ = [
     "EVENT_ID_KEY",
     "MAX_ID_LENGTH",
@@ -84,7 +81,6 @@ __all__ = [
     "Processed",
     "count_delivery",
     "find_event_id",
-    "idempotent_consumer",
     "new_event_id",
     "normalize_event_id",
     "park_message",

@@ -11,7 +11,7 @@ import pytest
 from django.db import connections, transaction
 
 from django_idempotency import idempotent_consumer, new_event_id
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.signals import event_duplicate
 from testproject.shop.models import Effect, Order, Payment
@@ -231,3 +231,35 @@ def test_racing_events_for_one_payment_record_it_once(committed_order: Order) ->
     assert len(results) == count
     assert len(set(results)) == 1
     assert Payment.objects.count() == 1
+
+
+@idempotent_consumer("payments.apply")
+def apply_payment(event_id: str, payment_id: str) -> str:
+    Effect.objects.create(name="payments", payload=f"{event_id}/{payment_id}")
+    return "applied"
+
+
+@pytest.mark.django_db
+def test_a_positional_event_id_parameter_is_found() -> None:
+    event_id = str(new_event_id())
+    assert apply_payment(event_id, "p-1") == "applied"
+    assert apply_payment(event_id, "p-1") is None
+    assert apply_payment(event_id=event_id, payment_id="p-1") is None
+    assert apply_payment(42, "p-2") == "applied"  # type: ignore[arg-type]
+    assert apply_payment("42", "p-2") is None  # an integer id is its decimal string
+    assert Effect.objects.filter(name="payments").count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_error_after_the_commit_is_on_commit_failed() -> None:
+    @idempotent_consumer("notify")
+    def notify(event_id: str) -> None:
+        Effect.objects.create(name="notify", payload=event_id)
+        transaction.on_commit(lambda: (_ for _ in ()).throw(Boom("webhook down")))
+
+    with pytest.raises(OnCommitFailed) as raised:
+        notify("evt-1")
+    assert isinstance(raised.value.__cause__, Boom)
+    assert ProcessedEvent.objects.filter(consumer="notify", event_id="evt-1").exists()
+    assert notify("evt-1") is None  # applied: a redelivery is a duplicate
+    assert "OnCommitFailed: Event evt-1" in EventDelivery.objects.get().last_error
