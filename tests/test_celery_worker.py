@@ -198,6 +198,16 @@ def test_database_errors_back_off_then_apply_once(group: WorkerGroup, tmp_path: 
     assert "(retry 1)" in logs and "(retry 2)" in logs
 
 
+def test_replace_commits_and_a_duplicate_does_not_replace_again(group: WorkerGroup) -> None:
+    event_id = str(new_event_id())
+    results = [group.publish("shop.replaced", kwargs={"event_id": event_id}) for _ in range(2)]
+
+    assert Counter(wait(group, results)) == {"applied": 1, None: 1}
+    assert effects("shop.replaced", event_id) == 1  # committed, though the task raised Ignore
+    assert effects("shop.effect", f"{event_id}-next") == 1  # the replacement ran once
+    assert ProcessedEvent.objects.filter(consumer="shop.replaced", event_id=event_id).exists()
+
+
 def test_worker_child_killed_mid_task_is_redelivered_and_applied_once(
     group: WorkerGroup, tmp_path: Path
 ) -> None:

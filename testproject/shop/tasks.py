@@ -140,6 +140,14 @@ def database_unavailable(self: IdempotentConsumer, event_id: str, marker: str) -
     return "applied"
 
 
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.replaced")
+def replaced(self: IdempotentConsumer, event_id: str) -> None:
+    """Write an Effect, then replace itself with ``shop.effect`` of ``<event_id>-next``."""
+    _effect(self)
+    queue = (self.request.delivery_info or {}).get("routing_key")
+    raise self.replace(effect.si(event_id=f"{event_id}-next").set(queue=queue))
+
+
 @shared_task(base=IdempotentConsumer, bind=True, name="shop.crash_before_commit")
 def crash_before_commit(self: IdempotentConsumer, event_id: str, marker: str) -> str:
     """Write an Effect, then SIGKILL the worker child mid-transaction the first time."""
