@@ -183,7 +183,11 @@ class IdempotentConsumerMixin(_TaskBase):
         except (ValueError, TypeError) as exc:
             if not from_broker:
                 raise
-            self._park_message(exc, args, kwargs)
+            try:
+                self._park_message(exc, args, kwargs)
+            except (OperationalError, InterfaceError) as db_error:
+                # Parking needs the database too: a message is never lost because it is down.
+                self._retry_later(f"(none, task {request.id})", db_error, args, kwargs)
 
         # The body finds the id here wherever the message carried it.
         request.update({EVENT_ID_KEY: event_id})

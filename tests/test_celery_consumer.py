@@ -10,7 +10,7 @@ import pytest
 from celery import Task
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore, Reject, Retry
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 
 from django_idempotency import new_event_id
 from django_idempotency.celery import IdempotentConsumer, IdempotentConsumerMixin
@@ -374,6 +374,25 @@ def test_from_a_broker_a_database_error_backs_off_with_a_countdown(
     assert message.headers["retries"] == 1
     assert message.headers["eta"] is not None
     assert message.decode()[1] == {"event_id": "evt"}
+
+
+def database_down(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+    """An execute wrapper: every statement fails as it does when the server is unreachable."""
+    raise OperationalError("could not connect to server: Connection refused")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("kwargs", [{"event_id": "evt"}, {}], ids=["with-id", "without-id"])
+def test_with_the_database_down_the_message_waits_with_a_countdown(
+    memory_broker: Any, kwargs: dict[str, Any]
+) -> None:
+    """Not requeued at once in a hot loop, not dropped: retried later, until it answers."""
+    with connection.execute_wrapper(database_down), pytest.raises(Retry) as raised:
+        from_broker(effect, lambda: effect(**kwargs))
+    assert 0.5 <= float(raised.value.when) <= 1.0
+    (message,) = published(memory_broker)
+    assert message.headers["retries"] == 1
+    assert message.decode()[1] == kwargs
 
 
 def test_the_database_backoff_doubles_up_to_its_ceiling() -> None:
