@@ -373,6 +373,22 @@ def test_purge_runs_partition_maintenance(partitioned: None) -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.django_db(databases=["default", "other"])
+def test_the_purge_maintains_the_partitions_of_each_database_it_is_given() -> None:
+    from django_idempotency.purge import purge_all
+
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("other")  # rolled back with the test's transaction on "other"
+        events = {
+            r.database: r
+            for r in purge_all(dry_run=True, databases=["default", "other"])
+            if r.label == ProcessedEvent._meta.label
+        }
+    assert events["default"].partitions is None  # "default" keeps the plain table
+    assert events["other"].partitions is not None and events["other"].partitions.dry_run
+
+
+@pytest.mark.postgres
 def test_command_converts_maintains_and_reverts(transactional_db: Any) -> None:
     def run(*args: str) -> str:
         out = StringIO()
