@@ -88,9 +88,9 @@ class IdempotentConsumerMixin(_TaskBase):
     * duplicate: the body does not run, the task returns None, ``duplicate ignored`` is logged
       and :data:`~django_idempotency.signals.event_duplicate` is sent;
     * the body raises :class:`~celery.exceptions.Ignore` (``self.replace()`` does): Celery acks
-      the message and never redelivers it, so the transaction **commits** (the reservation, the
-      body's writes, a replacement published through ``on_commit``) and ``Ignore`` is raised
-      after the commit;
+      the message and never redelivers it, so the transaction **commits** (the reservation and
+      the body's writes) and ``Ignore`` is raised after the commit. A duplicate delivery is then
+      skipped, so ``replace()`` publishes its replacement once;
     * delivered more than ``max_deliveries`` times without completing (a message that kills its
       worker): parked, rejected without requeue, logged at ERROR,
       :data:`~django_idempotency.signals.event_parked` sent;
@@ -198,8 +198,8 @@ class IdempotentConsumerMixin(_TaskBase):
             try:
                 return run_body(*args, **kwargs)
             except Ignore as exc:
-                # Celery acks an Ignore and never redelivers: commit what the body did (its
-                # replacement, published on commit, included), then raise it.
+                # Celery acks an Ignore and never redelivers: commit what the body did, then
+                # raise it. A duplicate delivery is then skipped, and publishes no replacement.
                 ignored.append(exc)
                 return None
 
