@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "idempotent",
     "idempotent_consumer",
+    "idempotent_task",
     "new_event_id",
     "try_reserve",
 ]
@@ -26,12 +27,14 @@ __all__ = [
 _LAZY = {
     "idempotent": "django_idempotency.decorators",
     "idempotent_consumer": "django_idempotency.events",
+    "idempotent_task": "django_idempotency.django_tasks",
     "new_event_id": "django_idempotency.events",
     "try_reserve": "django_idempotency.events",
 }
 
 if TYPE_CHECKING:
     from django_idempotency.decorators import idempotent
+    from django_idempotency.django_tasks import idempotent_task
     from django_idempotency.events import idempotent_consumer, new_event_id, try_reserve
 
 
