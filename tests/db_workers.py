@@ -1,0 +1,120 @@
+"""Real django-tasks-db workers for the Django Tasks worker tests: start, wait, kill.
+
+Each worker is a ``python manage.py db_worker --backend database`` subprocess of the test
+project, in its own process group, on the pytest test database (``DATABASE_URL`` is built from
+the test connection's settings). It runs one task at a time, polls every 50 ms, and logs to a
+file the test shows when something goes wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.workers import REPO
+
+READY_TIMEOUT = 60.0
+WAIT_TIMEOUT = 60.0
+STOP_TIMEOUT = 15.0
+READY_LINE = "Starting worker worker_id="
+
+
+@dataclass
+class DbWorker:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> int:
+        """SIGKILL the worker's process group; return the worker's exit status."""
+        if self.alive():
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait(timeout=STOP_TIMEOUT)
+
+    def wait_exit(self, timeout: float = WAIT_TIMEOUT) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker {self.name} still running after {timeout}s\n{self.output()}")
+
+    def stop(self) -> None:
+        """SIGTERM (a graceful stop), then SIGKILL if it does not exit in time."""
+        if not self.alive():
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def start_db_worker(*, db_url: str, log_dir: Path, name: str) -> DbWorker:
+    """Start a ``db_worker`` and return once it polls for tasks."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": db_url,
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("COV_CORE_SOURCE", None)  # no coverage tracing in the workers: it is only slower
+    log = log_dir / f"{name}.log"
+    command = [
+        sys.executable,
+        "manage.py",
+        "db_worker",
+        "--backend",
+        "database",
+        "--interval",
+        "0.05",
+        "--no-startup-delay",
+        "--no-reload",
+        "--worker-id",
+        name,
+        "--verbosity",
+        "1",
+    ]
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    worker = DbWorker(name, process, log)
+    ready = f"worker {name} ready"
+    wait_until(lambda: READY_LINE in worker.output(), ready, [worker], READY_TIMEOUT)
+    return worker
+
+
+def wait_until(
+    condition: Callable[[], Any],
+    what: str,
+    workers: Iterable[DbWorker],
+    timeout: float = WAIT_TIMEOUT,
+) -> None:
+    """Poll ``condition`` until it is true; fail with the workers' logs after ``timeout``."""
+    workers = list(workers)
+    deadline = time.monotonic() + timeout
+    while not condition():
+        dead = [w for w in workers if not w.alive() and READY_LINE not in w.output()]
+        if dead or time.monotonic() > deadline:
+            logs = "\n".join(f"--- {w.name} ---\n{w.output()[-6000:]}" for w in workers)
+            pytest.fail(f"not reached within {timeout}s: {what}\n{logs}")
+        time.sleep(0.05)
