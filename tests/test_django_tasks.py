@@ -9,6 +9,9 @@ raised). The same tasks against a real ``db_worker``, SIGKILLed, are in
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -22,6 +25,7 @@ from django_idempotency.conf import conf
 from django_idempotency.events import count_delivery
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect, LedgerEntry, Order
+from tests.workers import REPO
 
 if not settings.TASKS_MODULE:
     pytest.skip(
@@ -244,3 +248,33 @@ def test_the_recipe_view_answers_bad_input_with_a_problem(client: Client) -> Non
     assert response.status_code == 400
     assert response["Content-Type"] == "application/problem+json"
     assert not Order.objects.exists()
+
+
+WITHOUT_A_TASKS_FRAMEWORK = """
+import sys
+sys.modules["django.tasks"] = sys.modules["django_tasks"] = sys.modules["django_tasks_db"] = None
+import django
+django.setup()
+from django.conf import settings
+from django.urls import resolve
+from django_idempotency import idempotent_task
+
+@idempotent_task("tests.no-framework")
+def handler(event_id: str) -> None: ...
+
+resolve("/api/orders/")
+print(repr(settings.TASKS_MODULE), [app for app in settings.INSTALLED_APPS if "task" in app])
+"""
+
+
+def test_the_adapter_and_the_test_project_load_without_a_tasks_framework() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_A_TASKS_FRAMEWORK],
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "testproject.settings"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "'' []"
