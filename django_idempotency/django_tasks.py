@@ -78,12 +78,12 @@ def idempotent_task(
     """
 
     def decorate(func: Callable[P, R]) -> Callable[P, R | None]:
-        name = getattr(func, "__qualname__", repr(func))
         if not inspect.isfunction(func):
             raise TypeError(
                 f"@idempotent_task wraps a plain function, not {func!r}. Put it under @task: "
                 "@task() first, then @idempotent_task(...), then def."
             )
+        name = func.__qualname__
         if inspect.iscoroutinefunction(func):
             raise TypeError(
                 f"@idempotent_task cannot wrap the coroutine function {name}: the reservation "
@@ -92,10 +92,7 @@ def idempotent_task(
             )
         signature = inspect.signature(func)
         parameter = signature.parameters.get(event_id_arg)
-        if parameter is None or parameter.kind in (
-            parameter.VAR_POSITIONAL,
-            parameter.VAR_KEYWORD,
-        ):
+        if parameter is None or parameter.kind in _VARIADIC:
             raise TypeError(
                 f"Task function {name} has no parameter {event_id_arg!r} to take the event id "
                 f"from. Add one, or name it: @idempotent_task(..., event_id_arg='<parameter>')."
@@ -109,7 +106,7 @@ def idempotent_task(
                     f"Task {name} was enqueued with arguments that do not fit: {exc}"
                 ) from exc
             value = arguments.get(event_id_arg, parameter.default)
-            if value is None or value is inspect.Parameter.empty:
+            if value is None:
                 raise MissingEventId(
                     f"Task {name} (consumer {consumer!r}) was enqueued without an event id: pass "
                     f"the {event_id_arg!r} argument, positionally or by keyword."
