@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.workers import REPO
+from tests.workers import spawn
 
 READY_TIMEOUT = 60.0
 WAIT_TIMEOUT = 60.0
@@ -65,13 +65,6 @@ class DbWorker:
 
 def start_db_worker(*, db_url: str, log_dir: Path, name: str) -> DbWorker:
     """Start a ``db_worker`` and return once it polls for tasks."""
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
-        "DATABASE_URL": db_url,
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.pop("COV_CORE_SOURCE", None)  # no coverage tracing in the workers: it is only slower
     log = log_dir / f"{name}.log"
     command = [
         sys.executable,
@@ -88,15 +81,7 @@ def start_db_worker(*, db_url: str, log_dir: Path, name: str) -> DbWorker:
         "--verbosity",
         "1",
     ]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command,
-            cwd=REPO,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = spawn(command, db_url=db_url, log=log)
     worker = DbWorker(name, process, log)
     ready = f"worker {name} ready"
     wait_until(lambda: READY_LINE in worker.output(), ready, [worker], READY_TIMEOUT)
