@@ -14,13 +14,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.workers import spawn
+from tests.workers import Worker, spawn
 
 READY_TIMEOUT = 60.0
 WAIT_TIMEOUT = 60.0
@@ -28,14 +27,8 @@ STOP_TIMEOUT = 15.0
 READY_LINE = "Starting worker worker_id="
 
 
-@dataclass
-class DbWorker:
-    name: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
+class DbWorker(Worker):
+    """A ``db_worker`` process: its name (the worker id), process and log."""
 
     def alive(self) -> bool:
         return self.process.poll() is None
