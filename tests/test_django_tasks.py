@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import uuid
+from importlib.util import find_spec
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ if not settings.TASKS_MODULE:
     )
 
 from testproject.shop.tasks_django import (
+    WORKER_BACKEND,
     TaskContext,
     TaskResultStatus,
     apply_order_confirmed,
@@ -183,6 +185,21 @@ def test_enqueued_on_commit_inside_a_transaction_applies_after_commit() -> None:
         transaction.on_commit(lambda: effect.enqueue("evt-1"))
         assert not Effect.objects.exists()
     assert effects("shop.tasks.effect", "evt-1") == 1
+
+
+@pytest.mark.skipif(not find_spec("django_tasks_db"), reason="needs django-tasks-db")
+def test_a_database_backend_enqueue_commits_or_rolls_back_with_the_transaction() -> None:
+    from django_tasks_db.models import DBTaskResult
+
+    with pytest.raises(Boom), transaction.atomic():
+        effect.using(backend=WORKER_BACKEND).enqueue("evt-1")
+        raise Boom("the order rolls back")
+    assert not DBTaskResult.objects.exists()
+
+    with transaction.atomic():
+        result = effect.using(backend=WORKER_BACKEND).enqueue("evt-1")
+    assert DBTaskResult.objects.get().id == uuid.UUID(result.id)
+    assert result.status == TaskResultStatus.READY  # it waits for a db_worker
 
 
 def test_wrong_decoration_is_refused_at_import() -> None:
