@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "idempotent",
     "idempotent_consumer",
+    "idempotent_task",
     "new_event_id",
     "try_reserve",
 ]
@@ -26,6 +27,7 @@ __all__ = [
 _LAZY = {
     "idempotent": "django_idempotency.decorators",
     "idempotent_consumer": "django_idempotency.consumers",
+    "idempotent_task": "django_idempotency.django_tasks",
     "new_event_id": "django_idempotency.event_ids",
     "try_reserve": "django_idempotency.events",
 }
@@ -33,6 +35,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from django_idempotency.consumers import idempotent_consumer
     from django_idempotency.decorators import idempotent
+    from django_idempotency.django_tasks import idempotent_task
     from django_idempotency.event_ids import new_event_id
     from django_idempotency.events import try_reserve
 

@@ -7,14 +7,19 @@ Configured from the environment with django-environ:
 * ``CELERY_BROKER_URL``: unset means Celery runs tasks eagerly in the web process; set it
   (``redis://127.0.0.1:6379/0``, ``amqp://guest:guest@127.0.0.1:5672//``) to use a real broker.
 * ``TEST_DB_SUFFIX``: appended to test database names so parallel runs do not collide.
+* ``TASKS_BACKEND``: the default Django Tasks backend. ``immediate`` (the default) runs a task
+  when it is enqueued, in the same process; ``database`` stores it for ``manage.py db_worker``
+  (needs django-tasks-db). The ``database`` alias exists whenever django-tasks-db is installed.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
+from importlib.util import find_spec
 from pathlib import Path
 
 import environ
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent
 env = environ.Env()
@@ -126,6 +131,28 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(minutes=15),
     },
 }
+
+# Django Tasks: django.tasks on Django 6.0+, the django-tasks backport on Django 5.2 (which is
+# also an app). django-tasks-db, when installed, adds the "database" backend and its worker,
+# `python manage.py db_worker --backend database`. Without either, the settings still load and
+# the demo runs: only testproject/shop/tasks_django.py needs a tasks framework.
+TASKS_MODULE = next((name for name in ("django.tasks", "django_tasks") if find_spec(name)), "")
+if TASKS_MODULE:
+    if TASKS_MODULE == "django_tasks":
+        INSTALLED_APPS.append("django_tasks")
+    TASKS: dict[str, dict[str, object]] = {
+        "immediate": {"BACKEND": f"{TASKS_MODULE}.backends.immediate.ImmediateBackend"},
+    }
+    if find_spec("django_tasks_db"):
+        INSTALLED_APPS.append("django_tasks_db")
+        TASKS["database"] = {"BACKEND": "django_tasks_db.DatabaseBackend"}
+    _tasks_backend = env("TASKS_BACKEND", default="immediate")
+    if _tasks_backend not in TASKS:
+        raise ImproperlyConfigured(
+            f"TASKS_BACKEND={_tasks_backend!r}: choose one of {sorted(TASKS)} "
+            "(database needs `pip install django-tasks-db`)."
+        )
+    TASKS["default"] = TASKS[_tasks_backend]
 
 LOGGING = {
     "version": 1,

@@ -118,15 +118,10 @@ def start_worker(
     prefetch_multiplier: int = 1,
 ) -> Worker:
     env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
-        "DATABASE_URL": db_url,
         "CELERY_BROKER_URL": broker_url,
         "CELERY_RESULT_BACKEND": RESULT_BACKEND,
         "CELERY_TASK_ALWAYS_EAGER": "false",
-        "PYTHONUNBUFFERED": "1",
     }
-    env.pop("COV_CORE_SOURCE", None)  # no coverage tracing in the workers: it is only slower
     log = log_dir / f"{name}.log"
     command = [
         sys.executable,
@@ -151,16 +146,34 @@ def start_worker(
         "-l",
         "INFO",
     ]
+    return Worker(name, spawn(command, db_url=db_url, log=log, env=env), log)
+
+
+def spawn(
+    command: list[str], *, db_url: str, log: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a process of the test project on the database ``db_url``, writing to ``log``.
+
+    It runs in its own process group (so a test can stop or SIGKILL its children too), without
+    coverage tracing (it would only be slower).
+    """
+    environ = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": db_url,
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    environ.pop("COV_CORE_SOURCE", None)
     with log.open("wb") as out:
-        process = subprocess.Popen(
+        return subprocess.Popen(
             command,
             cwd=REPO,
-            env=env,
+            env=environ,
             stdout=out,
             stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stop() ends the pool children too
+            start_new_session=True,
         )
-    return Worker(name, process, log)
 
 
 def wait_ready(workers: Iterable[Worker], timeout: float = READY_TIMEOUT) -> None:

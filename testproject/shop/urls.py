@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.urls import path
 
 from testproject.shop import views
@@ -7,3 +8,8 @@ urlpatterns = [
     path("api/orders/", views.orders_api, name="orders-api"),
     path("api/unsafe-orders/", views.unsafe_orders_api, name="unsafe-orders-api"),
 ]
+
+if settings.TASKS_MODULE:  # a tasks framework is installed (Django 6.0+, or django-tasks)
+    from testproject.shop import views_tasks
+
+    urlpatterns.append(path("api/task-orders/", views_tasks.orders_api, name="task-orders-api"))
