@@ -121,6 +121,20 @@ def _truncate(text: str) -> tuple[str, bool]:
     return text[:PREVIEW_CHARS], True
 
 
+def _pretty_json(text: str) -> str | None:
+    """``text`` pretty-printed, or None when it cannot be, and is then shown as text.
+
+    Valid JSON can still fail here: 100,000 nested ``[`` exceed the recursion limit, and a lone
+    surrogate (``"\\ud800"``) parses to a string that no page can encode as UTF-8.
+    """
+    try:
+        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        pretty.encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return pretty
+
+
 def preview_body(body: bytes | memoryview | None, content_type: str = "") -> BodyPreview:
     """Describe a stored body for a human: JSON pretty-printed, text as is, binary as a hex dump.
 
@@ -140,13 +154,10 @@ def preview_body(body: bytes | memoryview | None, content_type: str = "") -> Bod
     if text is not None and _is_printable(text):
         stripped = text.lstrip()
         if "json" in media_type or stripped[:1] in ("{", "["):
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                pass
-            else:
-                pretty, truncated = _truncate(json.dumps(parsed, indent=2, ensure_ascii=False))
-                return BodyPreview("json", pretty, len(data), truncated)
+            pretty = _pretty_json(text)
+            if pretty is not None:
+                shown, truncated = _truncate(pretty)
+                return BodyPreview("json", shown, len(data), truncated)
         shown, truncated = _truncate(text)
         return BodyPreview("text", shown, len(data), truncated)
     return BodyPreview(

@@ -24,15 +24,30 @@ from django.template.response import SimpleTemplateResponse
 from django_idempotency.conf import SAFE_METHODS, conf
 from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import MissingKey, ProblemError
-from django_idempotency.fingerprint import fingerprint
+from django_idempotency.fingerprint import canonical_form, fingerprint, is_form
 from django_idempotency.keys import parse_key
 from django_idempotency.owner import resolve_owner
 
 #: Set on the ``HttpRequest`` once a request has been handled, so that the decorator does not
 #: handle it a second time inside the middleware.
 HANDLED = "_idempotency_handled"
-#: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these.
-ALWAYS_REPLAYED = ("Content-Type", "Location")
+#: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these. They describe the
+#: stored bytes (a gzip body without ``Content-Encoding`` is corrupt for the client), how they
+#: are shown or saved, and how they may be cached: without ``Cache-Control: no-store`` a replay
+#: that carries personal data could be kept by a shared cache.
+ALWAYS_REPLAYED = (
+    "Content-Type",
+    "Location",
+    "Content-Encoding",
+    "Content-Language",
+    "Content-Disposition",
+    "Content-Location",
+    "Content-Range",
+    "Cache-Control",
+    "Expires",
+    "Pragma",
+    "Vary",
+)
 #: Headers never replayed, even when listed in ``REPLAY_HEADERS``: cookies belong to the client
 #: that received them, and hop-by-hop or length headers describe one transfer.
 NEVER_REPLAYED = frozenset(
@@ -148,13 +163,19 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         # The record and the logs keep the path without its query string, which may carry
         # secrets; the fingerprint covers the query string.
         path=http_request.path,
-        fingerprint=fingerprint(
-            method,
-            http_request.get_full_path(),
-            http_request.body,
-            http_request.headers.get("Content-Type"),
-        ),
+        fingerprint=request_fingerprint(http_request, method),
     )
+
+
+def request_fingerprint(http_request: HttpRequest, method: str) -> str:
+    """The fingerprint of ``http_request``: a form POST from its parsed fields and files (the
+    raw body may be gone: CSRF or DRF's ``SessionAuthentication`` read ``request.POST``), any
+    other request from its body."""
+    content_type = http_request.headers.get("Content-Type")
+    if method == "POST" and is_form(content_type):
+        body = canonical_form(http_request.POST, http_request.FILES)
+        return fingerprint(method, http_request.get_full_path(), body)
+    return fingerprint(method, http_request.get_full_path(), http_request.body, content_type)
 
 
 def handle(

@@ -6,6 +6,7 @@ from testproject.shop import probe_views as views
 
 urlpatterns: list[URLPattern] = [
     path("effect/", views.effect, name="probe-effect"),
+    path("form/", views.form, name="probe-form"),
     path("required/", views.required, name="probe-required"),
     path("put-only/", views.put_only, name="probe-put-only"),
     path("raise/", views.raising, name="probe-raise"),

@@ -68,6 +68,12 @@ def effect_response(request: HttpRequest, effect: Effect) -> HttpResponse:
     response["X-Probe"] = "probe"
     response["Cache-Control"] = "no-store"
     response.set_cookie("probe_session", "secret-cookie")
+    if request.GET.get("raw_cookie"):  # a raw header, which set_cookie() never produces
+        response["Set-Cookie"] = "raw_session=secret-raw-cookie; HttpOnly"
+    if request.GET.get("gzip"):  # representation headers a replay must keep
+        response["Content-Encoding"] = "gzip"
+        response["Content-Language"] = "de"
+        response["Content-Disposition"] = 'attachment; filename="order.json"'
     return response
 
 
@@ -76,6 +82,14 @@ def effect_response(request: HttpRequest, effect: Effect) -> HttpResponse:
 def effect(request: HttpRequest) -> HttpResponse:
     """The all-purpose probe: one effect, then the status asked for."""
     return effect_response(request, record_effect(request, "effect"))
+
+
+@idempotent(required=True)
+def form(request: HttpRequest) -> HttpResponse:
+    """CSRF-protected (not exempt), as a form view is: CSRF reads ``request.POST`` first."""
+    effect = record_effect(request, "form")
+    files = {name: upload.read().decode() for name, upload in request.FILES.items()}
+    return JsonResponse({**effect_payload(request, effect), "files": files}, status=201)
 
 
 @csrf_exempt
