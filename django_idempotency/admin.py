@@ -42,6 +42,7 @@ from django.views.decorators.http import require_POST
 
 from django_idempotency.managers import PurgeResult
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.owner import display_owner
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[Any]
@@ -494,7 +495,7 @@ class PurgeExpiredMixin(ReadOnlyLogAdmin):
 class IdempotencyRecordAdmin(PurgeExpiredMixin):
     list_display = (
         "key",
-        "owner",
+        "owner_scope",
         "request_line",
         "state",
         "response_status",
@@ -514,9 +515,9 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
     date_hierarchy = "created_at"
     search_fields = ("key", "owner")
     search_help_text = _("An exact idempotency key or owner scope.")
-    readonly_fields = ("request_line", "expired", "stored_headers", "stored_body")
+    readonly_fields = ("owner_scope", "request_line", "expired", "stored_headers", "stored_body")
     fieldsets = (
-        (_("Request"), {"fields": ("owner", "key", "request_line", "fingerprint")}),
+        (_("Request"), {"fields": ("owner_scope", "key", "request_line", "fingerprint")}),
         (
             _("State"),
             {
@@ -539,6 +540,11 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _ListWithoutBodies
+
+    @admin.display(description=_("owner"))
+    def owner_scope(self, obj: IdempotencyRecord) -> str:
+        """The owner, with an ``auth:`` HMAC cut short: it is derived from a credential."""
+        return display_owner(obj.owner)
 
     @admin.display(description=_("request"), ordering=None)
     def request_line(self, obj: IdempotencyRecord) -> str:

@@ -74,9 +74,9 @@ def canonical_json(body: bytes) -> bytes | None:
 def canonical_form(fields: Mapping[str, Any], files: Mapping[str, Any] | None = None) -> bytes:
     """The bytes that stand for a parsed form: fields and files, each in name order.
 
-        ``fields`` and ``files`` are Django ``QueryDict``/``MultiValueDict`` objects (or plain dicts
-        of lists). Values of one name keep their order, since ``getlist()`` sees it. Files are read
-        in chunks for their SHA-256 and rewound for the view. Django's CSRF token field
+    ``fields`` and ``files`` are Django ``QueryDict``/``MultiValueDict`` objects (or plain dicts
+    of lists). Values of one name keep their order, since ``getlist()`` sees it. Files are read
+    in chunks for their SHA-256 and rewound for the view. Django's CSRF token field
     (:data:`IGNORED_FIELDS`) is left out: it changes with every page render.
     """
     described: dict[str, list[Any]] = {"fields": [], "files": []}

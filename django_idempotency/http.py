@@ -108,6 +108,22 @@ class Options:
         )
 
 
+class LeaseDatabases(set[str]):
+    """The ``_non_atomic_requests`` of a lease-mode view, as ``transaction.non_atomic_requests``
+    sets it: ``ATOMIC_REQUESTS`` then leaves the view out of a transaction on
+    ``IDEMPOTENCY["DATABASE"]`` (read per request, so ``override_settings`` works), where the
+    claim must commit before the view runs. Aliases added by ``non_atomic_requests`` count too.
+    """
+
+    def __contains__(self, alias: object) -> bool:
+        return alias == conf.DATABASE or super().__contains__(alias)
+
+
+def mark_non_atomic(view: Any) -> None:
+    """Exclude ``view`` from ``ATOMIC_REQUESTS`` on the database lease mode claims on."""
+    view._non_atomic_requests = LeaseDatabases(getattr(view, "_non_atomic_requests", ()))
+
+
 def _duration(name: str, value: timedelta | float | None) -> timedelta | None:
     if value is None:
         return None

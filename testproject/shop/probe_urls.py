@@ -24,4 +24,9 @@ urlpatterns: list[URLPattern] = [
     path("mw/raise/", views.undecorated_raising, name="probe-mw-raise"),
     path("mw/async/", views.undecorated_async, name="probe-mw-async"),
     path("mw/decorated/", views.required, name="probe-mw-decorated"),
+    path("mw/drf/plain/", views.DrfPlain.as_view(), name="probe-mw-drf-plain"),
+    path("mw/drf/safe/", views.DrfSafe.as_view(), name="probe-mw-drf-safe"),
+    path("mw/drf/lease/", views.DrfLease.as_view(), name="probe-mw-drf-lease"),
+    path("mw/cbv-lease/", views.ClassLease.as_view(), name="probe-mw-cbv-lease"),
+    path("mw/drf/viewset-lease/", views.DrfViewSetLease.as_view({"post": "create"})),
 ]

@@ -29,11 +29,13 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
+from rest_framework.permissions import IsAdminUser, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from django_idempotency import idempotent
+from django_idempotency.drf import IdempotentMixin
 from testproject.shop.models import Effect
 
 MAX_SLEEP = 30.0
@@ -231,3 +233,60 @@ async def undecorated_async(request: HttpRequest) -> HttpResponse:
     if request.GET.get("raise"):
         raise ProbeError("the undecorated async probe view raised on purpose")
     return JsonResponse({"effect": effect.pk, "nonce": uuid.uuid4().hex}, status=201)
+
+
+# -- DRF and class-based views under the middleware (paths under /probe/mw/) -------------------
+
+
+class DrfPlain(APIView):
+    """A DRF view without the mixin: the middleware runs its authenticators for the owner."""
+
+    permission_classes = [IsAuthenticated]
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-plain")
+        return Response(effect_payload(request, effect), status=201)
+
+
+class DrfSafe(IdempotentMixin, APIView):
+    """The recommended set-up: the stored response only after authentication and permissions."""
+
+    idempotency_required = True
+    permission_classes = [IsAdminUser]
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-safe")
+        return Response(effect_payload(request, effect), status=201)
+
+
+class DrfLease(IdempotentMixin, APIView):
+    """Lease mode through the mixin: non-atomic under ATOMIC_REQUESTS by itself."""
+
+    idempotency_atomic = False
+    idempotency_lease = timedelta(seconds=30)
+    idempotency_ttl = timedelta(hours=48)
+    permission_classes: list[type] = []
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-lease")
+        return Response(effect_payload(request, effect), status=201)
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(
+    idempotent(atomic=False, lease=timedelta(seconds=30), ttl=timedelta(hours=48)), name="post"
+)
+class ClassLease(View):
+    """Options on a handler method: the middleware must leave them to the decorator."""
+
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return effect_response(request, record_effect(request, "cbv-lease"))
+
+
+class DrfViewSetLease(viewsets.ViewSet):
+    permission_classes: list[type] = []
+
+    @idempotent(atomic=False, lease=timedelta(seconds=30), ttl=timedelta(hours=48))
+    def create(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-viewset-lease")
+        return Response(effect_payload(request, effect), status=201)
