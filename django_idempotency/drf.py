@@ -104,15 +104,17 @@ def authenticated_request(request: HttpRequest, view_class: type[APIView]) -> Re
     """
     view = view_class()
     drf_request = Request(request, authenticators=view.get_authenticators())
-    missing = object()
-    django_user = request.__dict__.get("user", missing)
+    # DRF's setters also set request.user and request.auth on the Django request: undo that.
+    saved = {name: request.__dict__[name] for name in _SET_BY_DRF if name in request.__dict__}
     try:
         drf_request.user  # noqa: B018 - runs the authenticators
     except APIException:
         return None
-    finally:  # DRF's user setter also sets request.user: undo it
-        if django_user is missing:
-            request.__dict__.pop("user", None)
-        else:
-            request.user = django_user
+    finally:
+        for name in _SET_BY_DRF:
+            request.__dict__.pop(name, None)
+        request.__dict__.update(saved)
     return drf_request
+
+
+_SET_BY_DRF = ("user", "auth")

@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import AnonymousUser, User
 from django.db import connection
-from django.test import Client, override_settings
+from django.test import Client, RequestFactory, override_settings
 
+from django_idempotency.drf import authenticated_request
 from django_idempotency.models import IdempotencyRecord
+from testproject.shop.probe_views import DrfPlain
 from tests.probes import effects, post, problem
 from tests.test_middleware import with_middleware
 
@@ -130,3 +132,17 @@ def test_lease_mode_marks_the_view_non_atomic_itself(
     assert first.status_code == 201, first.content  # type: ignore[attr-defined]
     assert post(client, url, "k")["Idempotent-Replayed"] == "true"
     assert effects() == 1
+
+
+@pytest.mark.django_db
+def test_authenticated_request_leaves_the_django_request_as_it_was() -> None:
+    ann = make_user()
+    request = RequestFactory().post("/", headers=basic(ann))
+    django_user = AnonymousUser()
+    request.user = django_user
+    drf_request = authenticated_request(request, DrfPlain)
+    assert drf_request is not None and drf_request.user == ann
+    assert request.user is django_user
+    assert not hasattr(request, "auth")
+    User.objects.filter(pk=ann.pk).update(is_active=False)
+    assert authenticated_request(request, DrfPlain) is None
