@@ -25,6 +25,8 @@ from typing import Any, Protocol
 FORM_MEDIA_TYPES = frozenset({"application/x-www-form-urlencoded", "multipart/form-data"})
 #: Prefixes a canonical form, so that no raw body can stand for the same bytes.
 FORM_TAG = b"form\x00"
+#: Prefixes a body DRF parsed before the fingerprint could read it.
+PARSED_TAG = b"parsed\x00"
 #: Fields left out of a form's fingerprint: Django's CSRF token is masked afresh on every page
 #: render, so a resubmitted form carries a new one for the same command.
 IGNORED_FIELDS = frozenset({"csrfmiddlewaretoken"})
@@ -85,8 +87,22 @@ def canonical_form(fields: Mapping[str, Any], files: Mapping[str, Any] | None = 
     for name in sorted(files or {}):
         uploads = [_describe_file(upload) for upload in _values(files or {}, name)]
         described["files"].append([name, uploads])
-    text = json.dumps(described, separators=(",", ":"), ensure_ascii=True)
+    text = json.dumps(described, separators=(",", ":"), ensure_ascii=True, default=str)
     return FORM_TAG + text.encode("ascii")
+
+
+def canonical_data(data: Any, files: Mapping[str, Any] | None = None) -> bytes:
+    """The bytes that stand for a body DRF has already parsed (its parser read the stream, so
+    the raw body is gone): a form as :func:`canonical_form`, anything else as sorted JSON."""
+    if hasattr(data, "getlist"):
+        return canonical_form(data, files)
+    try:
+        text = json.dumps(
+            data, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str
+        )
+    except (TypeError, ValueError, RecursionError):
+        text = repr(data)
+    return PARSED_TAG + text.encode("utf-8", "surrogatepass")
 
 
 def _values(mapping: Mapping[str, Any], name: str) -> list[Any]:

@@ -18,13 +18,14 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
+from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import SAFE_METHODS, conf
 from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import MissingKey, ProblemError
-from django_idempotency.fingerprint import canonical_form, fingerprint, is_form
+from django_idempotency.fingerprint import canonical_data, canonical_form, fingerprint, is_form
 from django_idempotency.keys import parse_key
 from django_idempotency.owner import resolve_owner
 
@@ -179,19 +180,31 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         # The record and the logs keep the path without its query string, which may carry
         # secrets; the fingerprint covers the query string.
         path=http_request.path,
-        fingerprint=request_fingerprint(http_request, method),
+        fingerprint=request_fingerprint(request, method),
     )
 
 
-def request_fingerprint(http_request: HttpRequest, method: str) -> str:
-    """The fingerprint of ``http_request``: a form POST from its parsed fields and files (the
-    raw body may be gone: CSRF or DRF's ``SessionAuthentication`` read ``request.POST``), any
-    other request from its body."""
+def request_fingerprint(request: Any, method: str) -> str:
+    """The fingerprint of ``request`` (an ``HttpRequest`` or a DRF ``Request``).
+
+    A form POST is fingerprinted from its parsed fields and files: the raw body may be gone,
+    since CSRF or DRF's ``SessionAuthentication`` read ``request.POST``. Any other request from
+    its body; if a DRF parser already consumed it (a permission class that reads
+    ``request.data``), from what DRF parsed.
+    """
+    http_request = django_request(request)
+    path = http_request.get_full_path()
     content_type = http_request.headers.get("Content-Type")
     if method == "POST" and is_form(content_type):
-        body = canonical_form(http_request.POST, http_request.FILES)
-        return fingerprint(method, http_request.get_full_path(), body)
-    return fingerprint(method, http_request.get_full_path(), http_request.body, content_type)
+        return fingerprint(method, path, canonical_form(http_request.POST, http_request.FILES))
+    try:
+        body = http_request.body
+    except RawPostDataException:
+        if not hasattr(request, "_full_data"):  # not a DRF request that parsed the body
+            raise
+        parsed = request.POST if is_form(content_type) else request.data  # files apart
+        return fingerprint(method, path, canonical_data(parsed, request.FILES))
+    return fingerprint(method, path, body, content_type)
 
 
 def handle(

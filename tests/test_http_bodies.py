@@ -4,6 +4,8 @@ be canonicalised, and any bytes under any content type. The library never answer
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
@@ -34,10 +36,10 @@ def csrf_client(user: User | None = None) -> Client:
 
 
 def multipart(
-    client: Client, url: str, key: str, data: dict[str, object], boundary: str
-) -> object:
+    client: Client, url: str, key: str, data: Mapping[str, object], boundary: str
+) -> Any:
     files = {
-        name: SimpleUploadedFile(value.name, value.read())
+        name: SimpleUploadedFile(value.name or "", value.read())
         if isinstance(value, SimpleUploadedFile)
         else value
         for name, value in data.items()
@@ -63,13 +65,13 @@ def test_a_multipart_post_to_a_csrf_protected_view_runs_and_replays() -> None:
     client = csrf_client()
     data = {"amount": "10", "receipt": upload()}
     first = multipart(client, "/probe/form/", "k", data, "boundary-one")
-    assert first.status_code == 201, first.content  # type: ignore[attr-defined]
+    assert first.status_code == 201, first.content
     assert body(first)["files"] == {"receipt": "hello"}  # the view still reads the file
     # A browser retries with a new boundary: the same submission, so a replay.
     data = {"amount": "10", "receipt": upload()}
     retry = multipart(client, "/probe/form/", "k", data, "boundary-two")
     assert retry["Idempotent-Replayed"] == "true"
-    assert retry.content == first.content  # type: ignore[attr-defined]
+    assert retry.content == first.content
     assert effects() == 1
 
 
@@ -133,11 +135,35 @@ def test_a_drf_session_authenticated_multipart_post_runs_and_replays() -> None:
     """DRF's SessionAuthentication checks CSRF, which reads request.POST before the view."""
     client = csrf_client(User.objects.create_user("ann"))
     first = multipart(client, "/probe/drf/apiview/", "k", {"note": "hi"}, "one")
-    assert first.status_code == 201, first.content  # type: ignore[attr-defined]
+    assert first.status_code == 201, first.content
     assert body(first)["echo"]["note"] == "hi"
     retry = multipart(client, "/probe/drf/apiview/", "k", {"note": "hi"}, "two")
     assert retry["Idempotent-Replayed"] == "true"
     assert effects() == 1
+
+
+@pytest.mark.parametrize("method", ["post", "patch"])
+def test_a_body_drf_parsed_before_the_view_is_fingerprinted_from_what_it_parsed(
+    client: Client, method: str
+) -> None:
+    """A permission class read request.data: DRF's parser consumed the stream, and reading
+    request.body raised RawPostDataException (500)."""
+    url = "/probe/drf/data-permission/"
+    first = post(client, url, "k", {"b": 1, "a": [1, 2]}, method=method)
+    assert first.status_code == 201, first.content  # type: ignore[attr-defined]
+    again = post(client, url, "k", raw=b'{"a": [1, 2], "b": 1}', method=method)
+    assert again["Idempotent-Replayed"] == "true"
+    problem(post(client, url, "k", {"b": 2, "a": [1, 2]}, method=method), 422)
+
+    def send_form(boundary: str, note: str) -> Any:
+        raw = encode_multipart(boundary, {"note": note, "receipt": upload()})
+        content_type = f"multipart/form-data; boundary={boundary}"
+        return post(client, url, "m", raw=raw, method=method, content_type=content_type)
+
+    assert send_form("x", "hi").status_code == 201
+    assert send_form("y", "hi")["Idempotent-Replayed"] == "true"
+    problem(send_form("z", "bye"), 422)
+    assert effects() == 2
 
 
 # -- JSON that parses but cannot be canonicalised ----------------------------------------------

@@ -16,6 +16,7 @@ urlpatterns: list[URLPattern] = [
     path("cbv/", views.ClassBased.as_view(), name="probe-cbv"),
     path("drf/apiview/", views.DrfApiView.as_view(), name="probe-drf-apiview"),
     path("drf/method-decorator/", views.DrfMethodDecorated.as_view()),
+    path("drf/data-permission/", views.DrfDataPermission.as_view()),
     path("drf/viewset/", views.DrfViewSet.as_view({"post": "create"}), name="probe-drf-viewset"),
     path("async/", views.async_effect, name="probe-async"),
     path("lease/", views.lease, name="probe-lease"),

@@ -29,7 +29,7 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
-from rest_framework.permissions import IsAdminUser, IsAuthenticated
+from rest_framework.permissions import BasePermission, IsAdminUser, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -166,6 +166,24 @@ class DrfApiView(APIView):
         effect = record_effect(request, "drf-apiview")
         payload = {**effect_payload(request, effect), "echo": request.data}
         return Response(payload, status=201, headers={"Location": f"/probe/effects/{effect.pk}"})
+
+
+class ReadsData(BasePermission):
+    """A permission that looks at the body: DRF's parser consumes the request stream."""
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        return request.data.get("allowed", "yes") != "no"
+
+
+class DrfDataPermission(APIView):
+    permission_classes = [ReadsData]
+
+    @idempotent(required=True, methods=["POST", "PATCH"])
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-data-permission")
+        return Response({**effect_payload(request, effect), "echo": request.data}, status=201)
+
+    patch = post
 
 
 @method_decorator(idempotent(required=True), name="post")
