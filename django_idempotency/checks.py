@@ -158,11 +158,11 @@ def check_http_views(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     """W020, E021, W022: set-ups in which a view would get a stored response it should not."""
     messages: list[CheckMessage] = []
     try:
-        views = url_views()
         paths = conf.PATHS
         database = conf.DATABASE
-    except Exception:  # noqa: BLE001 - a broken URLconf or setting is reported by other checks
-        return []
+    except ImproperlyConfigured:
+        return []  # check_settings reports it (E002)
+    views = url_views()
     middleware = list(getattr(settings, "MIDDLEWARE", None) or [])
     if MIDDLEWARE_PATH in middleware:
         messages.extend(_drf_views_under_the_middleware(views, paths))
