@@ -106,3 +106,8 @@ def test_a_converted_exception_rolls_back_and_is_not_stored_on_both_paths(url: s
         assert effects() == 0  # the view's write rolled back
         assert not IdempotencyRecord.objects.exists()  # the converted answer is not stored
         assert "Idempotent-Replayed" not in post(client, url, "k")
+
+
+def test_an_invalid_setting_is_left_to_the_settings_check() -> None:
+    with override_settings(MIDDLEWARE=with_middleware(), IDEMPOTENCY={"PATHS": 5}):
+        assert check_http_views() == []
