@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+from django.conf import settings as django_settings
 from django.contrib.auth.models import User
 from django.core.files.uploadedfile import SimpleUploadedFile
-from django.test import Client
+from django.test import Client, override_settings
 from django.test.client import encode_multipart
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from django_idempotency.fingerprint import canonical_form, fingerprint
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from tests.probes import body, effects, post, problem
+from tests.test_middleware import with_middleware
 
 pytestmark = pytest.mark.django_db
 
@@ -226,21 +228,32 @@ BODIES = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(raw=BODIES, content_type=CONTENT_TYPES, method=st.sampled_from(["POST", "PATCH"]))
+#: The decorator on a view function, on a DRF action, and the middleware on a plain view.
+FUZZED_URLS = st.sampled_from(["/probe/effect/", "/probe/drf/viewset/", "/probe/mw/effect/"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    raw=BODIES,
+    content_type=CONTENT_TYPES,
+    method=st.sampled_from(["POST", "PATCH"]),
+    url=FUZZED_URLS,
+)
 def test_any_body_under_any_content_type_never_answers_500(
-    raw: bytes, content_type: str, method: str
+    raw: bytes, content_type: str, method: str, url: str
 ) -> None:
     client = Client(raise_request_exception=False)
     answers = []
+    middleware = with_middleware() if url.startswith("/probe/mw/") else django_settings.MIDDLEWARE
     for _ in range(2):
-        response = client.generic(
-            method,
-            "/probe/effect/",
-            data=raw,
-            content_type=content_type,
-            headers={"Idempotency-Key": "fuzz"},
-        )
+        with override_settings(MIDDLEWARE=middleware, IDEMPOTENCY={"PATHS": [r"^/probe/mw/"]}):
+            response = client.generic(
+                method,
+                url,
+                data=raw,
+                content_type=content_type,
+                headers={"Idempotency-Key": "fuzz"},
+            )
         assert response.status_code < 500, response.content
         answers.append(response)
     if answers[0].status_code == 201:
