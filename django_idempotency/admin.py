@@ -42,6 +42,7 @@ from django.views.decorators.http import require_POST
 
 from django_idempotency.managers import PurgeResult
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.owner import display_owner
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[Any]
@@ -121,6 +122,20 @@ def _truncate(text: str) -> tuple[str, bool]:
     return text[:PREVIEW_CHARS], True
 
 
+def _pretty_json(text: str) -> str | None:
+    """``text`` pretty-printed, or None when it cannot be, and is then shown as text.
+
+    Valid JSON can still fail here: 100,000 nested ``[`` exceed the recursion limit, and a lone
+    surrogate (``"\\ud800"``) parses to a string that no page can encode as UTF-8.
+    """
+    try:
+        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        pretty.encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return pretty
+
+
 def preview_body(body: bytes | memoryview | None, content_type: str = "") -> BodyPreview:
     """Describe a stored body for a human: JSON pretty-printed, text as is, binary as a hex dump.
 
@@ -140,13 +155,10 @@ def preview_body(body: bytes | memoryview | None, content_type: str = "") -> Bod
     if text is not None and _is_printable(text):
         stripped = text.lstrip()
         if "json" in media_type or stripped[:1] in ("{", "["):
-            try:
-                parsed = json.loads(text)
-            except ValueError:
-                pass
-            else:
-                pretty, truncated = _truncate(json.dumps(parsed, indent=2, ensure_ascii=False))
-                return BodyPreview("json", pretty, len(data), truncated)
+            pretty = _pretty_json(text)
+            if pretty is not None:
+                shown, truncated = _truncate(pretty)
+                return BodyPreview("json", shown, len(data), truncated)
         shown, truncated = _truncate(text)
         return BodyPreview("text", shown, len(data), truncated)
     return BodyPreview(
@@ -483,7 +495,7 @@ class PurgeExpiredMixin(ReadOnlyLogAdmin):
 class IdempotencyRecordAdmin(PurgeExpiredMixin):
     list_display = (
         "key",
-        "owner",
+        "owner_scope",
         "request_line",
         "state",
         "response_status",
@@ -503,9 +515,9 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
     date_hierarchy = "created_at"
     search_fields = ("key", "owner")
     search_help_text = _("An exact idempotency key or owner scope.")
-    readonly_fields = ("request_line", "expired", "stored_headers", "stored_body")
+    readonly_fields = ("owner_scope", "request_line", "expired", "stored_headers", "stored_body")
     fieldsets = (
-        (_("Request"), {"fields": ("owner", "key", "request_line", "fingerprint")}),
+        (_("Request"), {"fields": ("owner_scope", "key", "request_line", "fingerprint")}),
         (
             _("State"),
             {
@@ -528,6 +540,11 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return _ListWithoutBodies
+
+    @admin.display(description=_("owner"))
+    def owner_scope(self, obj: IdempotencyRecord) -> str:
+        """The owner, with an ``auth:`` HMAC cut short: it is derived from a credential."""
+        return display_owner(obj.owner)
 
     @admin.display(description=_("request"), ordering=None)
     def request_line(self, obj: IdempotencyRecord) -> str:

@@ -12,6 +12,9 @@ django_idempotency.E010 On MySQL/MariaDB, a key, owner, event id or consumer col
                         have a binary collation (``manage.py check --database``).
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
+django_idempotency.W020 The middleware handles DRF views before their permission checks.
+django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
+django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
 ======================  =====================================================================
 """
 
@@ -143,10 +146,13 @@ def check_binary_collation(
                     f"{table}.{column} on database {alias!r} has the collation {collation!r}, "
                     "which does not compare byte for byte: two keys or event ids that differ "
                     "only in case would be taken for one, and a different event skipped.",
-                    hint=f"Give it {BINARY_COLLATION!r} again: run "
-                    "`manage.py migrate django_idempotency 0001` then `migrate`, or ALTER the "
-                    f"column to COLLATE {BINARY_COLLATION}.",
+                    hint=f"Give it {BINARY_COLLATION!r} again: ALTER TABLE {table} MODIFY "
+                    f"{column} ... COLLATE {BINARY_COLLATION} (keep its type and NULL-ness).",
                     id="django_idempotency.E010",
                 )
             )
     return messages
+
+
+# The HTTP set-up checks (W020, E021, W022) live in their own module; importing it registers them.
+from django_idempotency import http_checks  # noqa: E402, F401

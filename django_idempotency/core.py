@@ -53,6 +53,7 @@ from django_idempotency.exceptions import (
     StaleClaim,
 )
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.owner import display_owner
 from django_idempotency.store import ClaimResult, Existing, RecordStore
 
 logger = logging.getLogger("django_idempotency")
@@ -385,18 +386,19 @@ class Idempotency:
         self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
     ) -> None:
         details = "".join(f" {name}={value}" for name, value in extra.items() if value is not None)
+        owner = display_owner(command.owner)  # never a credential-derived value in full
         logger.log(
             level,
             "idempotency %s key=%s owner=%s method=%s path=%s%s",
             outcome,
             command.key,
-            command.owner,
+            owner,
             command.method,
             command.path,
             details,
             extra={
                 "idempotency_outcome": outcome,
                 "idempotency_key": command.key,
-                "idempotency_owner": command.owner,
+                "idempotency_owner": owner,
             },
         )

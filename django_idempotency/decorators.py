@@ -18,7 +18,10 @@
     @idempotent(atomic=False, lease=timedelta(seconds=30))   # lease mode
     def charge(request): ...
 
-``async def`` views are supported as well.
+``async def`` views are supported as well. A lease-mode function view is marked non-atomic on
+``IDEMPOTENCY["DATABASE"]`` itself, as ``@transaction.non_atomic_requests`` would mark it, so it
+works under ``ATOMIC_REQUESTS = True``. A method (``method_decorator`` or a DRF method) cannot be
+marked so; system check ``django_idempotency.E021`` names such views at start-up.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from typing import Any, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction
 
-from django_idempotency.http import Options, ahandle, handle
+from django_idempotency.http import Options, ahandle, handle, mark_non_atomic
 
 V = TypeVar("V", bound=Callable[..., Any])
 
@@ -92,6 +95,8 @@ def idempotent(
                 return await ahandle(request, lambda: func(*args, **kwargs), options, view_self)
 
             setattr(async_wrapper, OPTIONS_ATTRIBUTE, options)
+            if not options.atomic:
+                mark_non_atomic(async_wrapper)
             return async_wrapper  # type: ignore[return-value]
 
         @wraps(func)
@@ -100,6 +105,8 @@ def idempotent(
             return handle(request, lambda: func(*args, **kwargs), options, view_self)
 
         setattr(wrapper, OPTIONS_ATTRIBUTE, options)
+        if not options.atomic:
+            mark_non_atomic(wrapper)
         return wrapper  # type: ignore[return-value]
 
     return decorate(view) if view is not None else decorate

@@ -91,9 +91,13 @@ class RequestInProgress(ProblemError):
 
 
 class ResponseNotStored(ProblemError):
-    """The first request ran, but its response could not be stored for replay."""
+    """The first request ran, but its response could not be stored for replay.
 
-    status = 409
+    422, not 409: clients and SDKs (Stripe's, for one) retry every 409 with backoff, and a retry
+    can never succeed here. 409 stays reserved for :class:`RequestInProgress`.
+    """
+
+    status = 422
     slug = "response-not-stored"
     title = "The request was already processed; its response was not stored"
 

@@ -18,21 +18,37 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest, HttpResponse
+from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import SAFE_METHODS, conf
 from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import MissingKey, ProblemError
-from django_idempotency.fingerprint import fingerprint
+from django_idempotency.fingerprint import canonical_data, canonical_form, fingerprint, is_form
 from django_idempotency.keys import parse_key
 from django_idempotency.owner import resolve_owner
 
 #: Set on the ``HttpRequest`` once a request has been handled, so that the decorator does not
 #: handle it a second time inside the middleware.
 HANDLED = "_idempotency_handled"
-#: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these.
-ALWAYS_REPLAYED = ("Content-Type", "Location")
+#: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these. They describe the
+#: stored bytes (a gzip body without ``Content-Encoding`` is corrupt for the client), how they
+#: are shown or saved, and how they may be cached: without ``Cache-Control: no-store`` a replay
+#: that carries personal data could be kept by a shared cache.
+ALWAYS_REPLAYED = (
+    "Content-Type",
+    "Location",
+    "Content-Encoding",
+    "Content-Language",
+    "Content-Disposition",
+    "Content-Location",
+    "Content-Range",
+    "Cache-Control",
+    "Expires",
+    "Pragma",
+    "Vary",
+)
 #: Headers never replayed, even when listed in ``REPLAY_HEADERS``: cookies belong to the client
 #: that received them, and hop-by-hop or length headers describe one transfer.
 NEVER_REPLAYED = frozenset(
@@ -93,6 +109,22 @@ class Options:
         )
 
 
+class LeaseDatabases(set[str]):
+    """The ``_non_atomic_requests`` of a lease-mode view, as ``transaction.non_atomic_requests``
+    sets it: ``ATOMIC_REQUESTS`` then leaves the view out of a transaction on
+    ``IDEMPOTENCY["DATABASE"]`` (read per request, so ``override_settings`` works), where the
+    claim must commit before the view runs. Aliases added by ``non_atomic_requests`` count too.
+    """
+
+    def __contains__(self, alias: object) -> bool:
+        return alias == conf.DATABASE or super().__contains__(alias)
+
+
+def mark_non_atomic(view: Any) -> None:
+    """Exclude ``view`` from ``ATOMIC_REQUESTS`` on the database lease mode claims on."""
+    view._non_atomic_requests = LeaseDatabases(getattr(view, "_non_atomic_requests", ()))
+
+
 def _duration(name: str, value: timedelta | float | None) -> timedelta | None:
     if value is None:
         return None
@@ -148,13 +180,31 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         # The record and the logs keep the path without its query string, which may carry
         # secrets; the fingerprint covers the query string.
         path=http_request.path,
-        fingerprint=fingerprint(
-            method,
-            http_request.get_full_path(),
-            http_request.body,
-            http_request.headers.get("Content-Type"),
-        ),
+        fingerprint=request_fingerprint(request, method),
     )
+
+
+def request_fingerprint(request: Any, method: str) -> str:
+    """The fingerprint of ``request`` (an ``HttpRequest`` or a DRF ``Request``).
+
+    A form POST is fingerprinted from its parsed fields and files: the raw body may be gone,
+    since CSRF or DRF's ``SessionAuthentication`` read ``request.POST``. Any other request from
+    its body; if a DRF parser already consumed it (a permission class that reads
+    ``request.data``), from what DRF parsed.
+    """
+    http_request = django_request(request)
+    path = http_request.get_full_path()
+    content_type = http_request.headers.get("Content-Type")
+    if method == "POST" and is_form(content_type):
+        return fingerprint(method, path, canonical_form(http_request.POST, http_request.FILES))
+    try:
+        body = http_request.body
+    except RawPostDataException:
+        if not hasattr(request, "_full_data"):  # not a DRF request that parsed the body
+            raise
+        parsed = request.POST if is_form(content_type) else request.data  # files apart
+        return fingerprint(method, path, canonical_data(parsed, request.FILES))
+    return fingerprint(method, path, body, content_type)
 
 
 def handle(

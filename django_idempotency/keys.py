@@ -7,7 +7,13 @@ mean the same key.
 
 A key is valid when it is not empty, is at most ``MAX_KEY_LENGTH`` characters long, and holds
 only visible ASCII characters (``!`` to ``~``; no spaces, no control characters, nothing
-outside ASCII). Anything else raises :class:`~django_idempotency.exceptions.MalformedKey`.
+outside ASCII) other than a comma. Anything else raises
+:class:`~django_idempotency.exceptions.MalformedKey`.
+
+A bare key may not contain a comma: servers join a repeated header with commas (gunicorn and
+Django's ASGI handler do), so ``same`` sent twice arrives as ``same,same``. Taking that for a new
+key would run the command again, so it is malformed, as the quoted form ``"a", "b"`` already is.
+A quoted key may hold a comma (``"a,b"``), since the quotes show where it ends.
 """
 
 from __future__ import annotations
@@ -38,6 +44,12 @@ def parse_key(value: str, max_length: int) -> str:
             )
         key = SF_ESCAPE.sub(r"\1", match.group(1))
     else:
+        if "," in value:
+            raise MalformedKey(
+                "The idempotency key holds a comma: the header was sent more than once (servers "
+                "join repeated headers with commas) or the key is not quoted. Send exactly one "
+                'Idempotency-Key header; quote a key that contains a comma ("a,b").'
+            )
         key = value
     if not key:
         raise MalformedKey("The idempotency key is empty.")

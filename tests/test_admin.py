@@ -325,6 +325,26 @@ def test_record_detail_pretty_prints_json(admin_client: Client) -> None:
     assert 'name="key"' not in content
 
 
+@pytest.mark.parametrize(
+    ("stored", "shown"),
+    [
+        (b'{"name": "\\ud800"}', "{&quot;name&quot;: &quot;\\ud800&quot;}"),
+        (b"[" * 100_000 + b"]" * 100_000, "[[[[[[[["),
+    ],
+    ids=["lone-surrogate", "deep-nesting"],
+)
+def test_record_detail_shows_json_it_cannot_pretty_print_as_text(
+    admin_client: Client, stored: bytes, shown: str
+) -> None:
+    """Valid JSON that json.dumps cannot write for a page answered 500."""
+    record = make_record(body=stored)
+    response = admin_client.get(detail_url(record))
+    assert response.status_code == 200
+    content = response.content.decode()
+    assert f"Text, {len(stored)} bytes." in content
+    assert shown in content
+
+
 def test_record_detail_escapes_stored_html(admin_client: Client) -> None:
     record = make_record(body=b"<script>alert(1)</script>", headers={"Content-Type": "text/html"})
     content = admin_client.get(detail_url(record)).content.decode()

@@ -46,6 +46,10 @@ def test_order_is_created_once_and_its_event_applied_once(client: Client) -> Non
     assert data["payment"] == {"provider": "stripe", "external_payment_id": "pi_1"}
     assert first["Location"] == f"/api/orders/{data['order']['id']}/"
     assert uuid.UUID(data["event_id"]).version == 7
+    # The Location answers (it was a 404).
+    shown = client.get(first["Location"])
+    assert shown.status_code == 200
+    assert shown.json() == {"order": data["order"], "payment": data["payment"]}
 
     # The event left on commit and the billing consumer applied it once.
     entry = LedgerEntry.objects.get()

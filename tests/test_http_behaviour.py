@@ -124,6 +124,7 @@ def test_first_request_stores_the_response(client: Client) -> None:
     assert stored.response_headers == {
         "Content-Type": "application/json",
         "Location": response["Location"],
+        "Cache-Control": "no-store",
     }
     assert stored.completed_at is not None
     assert stored.expires_at - stored.created_at == timedelta(hours=24)
@@ -140,7 +141,7 @@ def test_replay_returns_status_body_bytes_and_safe_headers(client: Client) -> No
         assert again["Location"] == first["Location"]
         assert again["Idempotent-Replayed"] == "true"
         assert "X-Probe" not in again
-        assert "Cache-Control" not in again
+        assert again["Cache-Control"] == "no-store"  # a shared cache must not keep a replay
         assert not again.cookies
     assert first.cookies["probe_session"].value == "secret-cookie"
     assert effects() == 1
@@ -155,6 +156,29 @@ def test_replay_headers_setting_adds_headers_but_never_set_cookie(client: Client
     assert not again.cookies
     assert "Set-Cookie" not in again
     assert "secret-cookie" not in str(record().response_headers)
+
+
+def test_representation_headers_are_replayed(client: Client) -> None:
+    """A gzip body replayed without Content-Encoding is corrupt; no-store must survive too."""
+    first = post(client, f"{URL}?gzip=1", "k")
+    again = post(client, f"{URL}?gzip=1", "k")
+    assert again["Idempotent-Replayed"] == "true"
+    for name in ("Content-Encoding", "Content-Language", "Content-Disposition", "Cache-Control"):
+        assert again[name] == first[name], name
+    assert again["Content-Encoding"] == "gzip"
+    assert again["Cache-Control"] == "no-store"
+
+
+@override_settings(IDEMPOTENCY={"REPLAY_HEADERS": ["Set-Cookie"]})
+def test_a_raw_set_cookie_header_is_neither_stored_nor_replayed(client: Client) -> None:
+    """``response["Set-Cookie"] = ...`` reaches the headers that set_cookie() never does."""
+    first = post(client, f"{URL}?raw_cookie=1", "k")
+    assert "secret-raw-cookie" in first["Set-Cookie"]
+    again = post(client, f"{URL}?raw_cookie=1", "k")
+    assert again["Idempotent-Replayed"] == "true"
+    assert "Set-Cookie" not in again
+    assert not again.cookies
+    assert "secret-raw-cookie" not in str(record().response_headers)
 
 
 def test_json_key_order_and_whitespace_do_not_make_a_different_request(client: Client) -> None:
@@ -188,11 +212,15 @@ def test_same_key_for_a_different_request_is_422(
 
 
 def test_raw_bodies_are_compared_byte_for_byte(client: Client) -> None:
-    post(client, URL, "k", raw=b"a=1&b=2", content_type="application/x-www-form-urlencoded")
-    problem(
-        post(client, URL, "k", raw=b"b=2&a=1", content_type="application/x-www-form-urlencoded"),
-        422,
-    )
+    post(client, URL, "k", raw=b"a=1&b=2", content_type="text/plain")
+    problem(post(client, URL, "k", raw=b"b=2&a=1", content_type="text/plain"), 422)
+
+
+def test_a_form_is_compared_by_its_fields_not_their_order(client: Client) -> None:
+    form = "application/x-www-form-urlencoded"
+    post(client, URL, "k", raw=b"a=1&b=2", content_type=form)
+    assert post(client, URL, "k", raw=b"b=2&a=1", content_type=form)["Idempotent-Replayed"]
+    problem(post(client, URL, "k", raw=b"b=3&a=1", content_type=form), 422)
 
 
 # -- failures ---------------------------------------------------------------------------------
@@ -273,7 +301,8 @@ def test_a_streaming_response_counts_as_done_but_is_not_replayed(client: Client)
     assert stored.response_body is None
     assert stored.response_headers["@not-replayable"] == "streaming response"
     retry = post(client, "/probe/stream/", "k")
-    details = problem(retry, 409)
+    # 422, not 409: SDKs retry every 409 with backoff, and this one can never succeed.
+    details = problem(retry, 422)
     assert details["type"].endswith("#response-not-stored")
     assert details["original_status"] == 201
     assert "Retry-After" not in retry  # retrying will not help
@@ -288,7 +317,7 @@ def test_a_response_over_max_response_bytes_counts_as_done_but_is_not_replayed(
     assert post(client, "/probe/big/?size=100", "fits")["Idempotent-Replayed"] == "true"
     assert post(client, "/probe/big/?size=101", "big").content == b"x" * 101
     assert record("big").response_body is None
-    details = problem(post(client, "/probe/big/?size=101", "big"), 409)
+    details = problem(post(client, "/probe/big/?size=101", "big"), 422)
     assert "MAX_RESPONSE_BYTES" in details["detail"]
     assert effects("big") == 2
 

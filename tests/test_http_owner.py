@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import logging
 
 import pytest
 from django.contrib.auth.models import User
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 from django.test import Client, RequestFactory, override_settings
+from django.utils.crypto import salted_hmac
 
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.owner import default_owner, resolve_owner
+from django_idempotency.owner import (
+    AUTHORIZATION_SALT,
+    default_owner,
+    display_owner,
+    resolve_owner,
+)
 from tests.probes import body, effects, post
 
 pytestmark = pytest.mark.django_db
@@ -36,7 +44,8 @@ def test_default_owner_order() -> None:
     request = factory.post("/")
     assert default_owner(request) == "anonymous"
     request = factory.post("/", HTTP_AUTHORIZATION="Bearer s3cret")
-    assert default_owner(request) == "auth:" + hashlib.sha256(b"Bearer s3cret").hexdigest()
+    expected = salted_hmac(AUTHORIZATION_SALT, b"bearer s3cret", algorithm="sha256")
+    assert default_owner(request) == "auth:" + expected.hexdigest()
     user = User.objects.create_user("ann")
     request.user = user
     assert default_owner(request) == f"user:{user.pk}"
@@ -94,3 +103,57 @@ def test_owner_callable_must_return_a_string() -> None:
 def test_unimportable_owner_is_improperly_configured() -> None:
     with pytest.raises(ImproperlyConfigured, match="cannot be imported"):
         resolve_owner(RequestFactory().post("/"))
+
+
+BASIC = base64.b64encode(b"ann:correct horse battery staple").decode()
+
+
+@pytest.mark.parametrize(
+    "variant", [f"basic {BASIC}", f"BASIC {BASIC}", f"Basic  {BASIC} ", f"\tbAsIc {BASIC}"]
+)
+def test_the_auth_scheme_is_case_insensitive(client: Client, variant: str) -> None:
+    """``Basic`` and ``basic`` were two owners, so a retry ran twice."""
+    first = post(client, URL, "k", headers={"Authorization": f"Basic {BASIC}"})
+    retry = post(client, URL, "k", headers={"Authorization": variant})
+    assert retry["Idempotent-Replayed"] == "true"
+    assert retry.content == first.content
+    assert effects() == 1
+
+
+def test_credentials_stay_case_sensitive() -> None:
+    factory = RequestFactory()
+    lower = factory.post("/", HTTP_AUTHORIZATION="Bearer abc")
+    upper = factory.post("/", HTTP_AUTHORIZATION="Bearer ABC")
+    assert default_owner(lower) != default_owner(upper)
+
+
+def test_the_owner_is_keyed_with_secret_key_and_never_shown_or_logged_in_full(
+    client: Client, caplog: pytest.LogCaptureFixture, admin_client: Client
+) -> None:
+    """An unsalted SHA-256 of a Basic header was stored, shown and logged: a word list
+    recovered the password from it."""
+    header = f"Basic {BASIC}"
+    with caplog.at_level(logging.INFO, logger="django_idempotency"):
+        post(client, URL, "k", headers={"Authorization": header})
+    (owner,) = owners()
+    unsalted = {hashlib.sha256(value.encode()).hexdigest() for value in (header, header.lower())}
+    assert owner.removeprefix("auth:") not in unsalted
+    with override_settings(SECRET_KEY="another-secret"):
+        assert default_owner(RequestFactory().post("/", HTTP_AUTHORIZATION=header)) != owner
+    digest = owner.removeprefix("auth:")
+    assert digest not in caplog.text
+    assert display_owner(owner) in caplog.text
+    record = IdempotencyRecord.objects.get()
+    for url in (
+        "/admin/django_idempotency/idempotencyrecord/",
+        f"/admin/django_idempotency/idempotencyrecord/{record.pk}/change/",
+    ):
+        page = admin_client.get(url).content.decode()
+        assert display_owner(owner) in page
+        assert digest not in page
+
+
+def test_display_owner_cuts_only_auth_owners() -> None:
+    assert display_owner("user:7") == "user:7"
+    assert display_owner("anonymous") == "anonymous"
+    assert display_owner("auth:" + "a" * 64) == "auth:aaaaaaaa…"

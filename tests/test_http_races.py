@@ -1,6 +1,8 @@
 """Races: many requests with the same key at once, in threads and in gunicorn processes.
 
 Exactly one execution commits; every other request gets a 409 problem or an identical replay.
+On PostgreSQL and MariaDB a duplicate that arrives while the first request runs gets 409 at once,
+never a late replay: the claim does not wait on another request's transaction.
 """
 
 from __future__ import annotations
@@ -78,14 +80,24 @@ def assert_one_execution(replies: list[Reply], key: str) -> Reply:
     return original
 
 
+#: Long enough that every thread released by the barrier reaches its claim while the first
+#: request still holds the key, even on a loaded machine.
+HOLD = {"X-Probe-Sleep": "3"}
+
+
 def test_16_threads_same_key() -> None:
     key = str(uuid.uuid4())
-    replies = race(THREADS, in_process(key))
+    replies = race(THREADS, in_process(key, HOLD))
     assert_one_execution(replies, key)
     statuses = Counter(r.status for r in replies)
     if connection.vendor == "sqlite":
         # One writer at a time: the duplicates wait for the lock, then replay.
         assert statuses == {201: THREADS}
+    else:
+        # The claim never waits on another request: every duplicate that arrives while the
+        # first runs gets 409 at once. A replay here means a duplicate waited for the first
+        # one's commit (a dropped advisory lock on PostgreSQL, a lock wait on MariaDB).
+        assert statuses == {201: 1, 409: THREADS - 1}, dict(statuses)
     print(f"\n16 threads on {connection.vendor}: {dict(statuses)}")
 
 

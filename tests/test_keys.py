@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from django.test import Client
 from hypothesis import given
 from hypothesis import strategies as st
 
 from django_idempotency.exceptions import MalformedKey
 from django_idempotency.keys import parse_key, serialize_key
+from tests.probes import effects, post, problem
 
 VISIBLE = st.characters(min_codepoint=0x21, max_codepoint=0x7E)
 visible_keys = st.text(VISIBLE, min_size=1, max_size=255)
@@ -21,7 +23,7 @@ visible_keys = st.text(VISIBLE, min_size=1, max_size=255)
         ('  "abc"\t', "abc"),
         ("  abc ", "abc"),
         (r'"a\"b\\c"', 'a"b\\c'),
-        ("a,b", "a,b"),
+        ('"a,b"', "a,b"),
         ("x" * 255, "x" * 255),
     ],
 )
@@ -46,6 +48,9 @@ def test_valid_keys(header: str, key: str) -> None:
         ('"a"b"', "structured-field"),
         ('"a" , "b"', "structured-field"),
         (r'"bad\escape"', "structured-field"),
+        ("a,b", "comma"),
+        ("same,same", "comma"),
+        ("same, same", "comma"),
         ('"caf\u00e9"', "structured-field"),
     ],
 )
@@ -65,7 +70,7 @@ def test_max_length_is_the_argument() -> None:
 def test_bare_and_quoted_forms_mean_the_same_key(key: str) -> None:
     quoted = serialize_key(key)
     assert parse_key(quoted, 255) == key
-    if not key.startswith('"'):
+    if not key.startswith('"') and "," not in key:
         assert parse_key(key, 255) == key
 
 
@@ -80,6 +85,7 @@ def test_any_text_is_accepted_only_when_visible_ascii(text: str) -> None:
             not stripped
             or any(not 0x21 <= ord(c) <= 0x7E for c in stripped)
             or stripped.startswith('"')
+            or "," in stripped
         )
     else:
         assert key
@@ -95,3 +101,15 @@ def test_length_limit_is_exact(key: str, limit: int) -> None:
     else:
         with pytest.raises(MalformedKey):
             parse_key(quoted, limit)
+
+
+@pytest.mark.django_db
+def test_a_repeated_header_joined_with_a_comma_is_malformed_not_a_new_key() -> None:
+    """gunicorn and Django's ASGI handler join a repeated header: ``same`` twice is ``same,same``.
+
+    Taking that for a new key ran the command a second time."""
+    client = Client()
+    assert post(client, "/probe/effect/", "same").status_code == 201
+    details = problem(post(client, "/probe/effect/", "same,same"), 400)
+    assert details["type"].endswith("#malformed-key")
+    assert effects() == 1

@@ -6,6 +6,7 @@ from testproject.shop import probe_views as views
 
 urlpatterns: list[URLPattern] = [
     path("effect/", views.effect, name="probe-effect"),
+    path("form/", views.form, name="probe-form"),
     path("required/", views.required, name="probe-required"),
     path("put-only/", views.put_only, name="probe-put-only"),
     path("raise/", views.raising, name="probe-raise"),
@@ -15,6 +16,7 @@ urlpatterns: list[URLPattern] = [
     path("cbv/", views.ClassBased.as_view(), name="probe-cbv"),
     path("drf/apiview/", views.DrfApiView.as_view(), name="probe-drf-apiview"),
     path("drf/method-decorator/", views.DrfMethodDecorated.as_view()),
+    path("drf/data-permission/", views.DrfDataPermission.as_view()),
     path("drf/viewset/", views.DrfViewSet.as_view({"post": "create"}), name="probe-drf-viewset"),
     path("async/", views.async_effect, name="probe-async"),
     path("lease/", views.lease, name="probe-lease"),
@@ -23,4 +25,9 @@ urlpatterns: list[URLPattern] = [
     path("mw/raise/", views.undecorated_raising, name="probe-mw-raise"),
     path("mw/async/", views.undecorated_async, name="probe-mw-async"),
     path("mw/decorated/", views.required, name="probe-mw-decorated"),
+    path("mw/drf/plain/", views.DrfPlain.as_view(), name="probe-mw-drf-plain"),
+    path("mw/drf/safe/", views.DrfSafe.as_view(), name="probe-mw-drf-safe"),
+    path("mw/drf/lease/", views.DrfLease.as_view(), name="probe-mw-drf-lease"),
+    path("mw/cbv-lease/", views.ClassLease.as_view(), name="probe-mw-cbv-lease"),
+    path("mw/drf/viewset-lease/", views.DrfViewSetLease.as_view({"post": "create"})),
 ]

@@ -29,11 +29,13 @@ from django.utils.decorators import method_decorator
 from django.views import View
 from django.views.decorators.csrf import csrf_exempt
 from rest_framework import viewsets
+from rest_framework.permissions import BasePermission, IsAdminUser, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from django_idempotency import idempotent
+from django_idempotency.drf import IdempotentMixin
 from testproject.shop.models import Effect
 
 MAX_SLEEP = 30.0
@@ -68,6 +70,12 @@ def effect_response(request: HttpRequest, effect: Effect) -> HttpResponse:
     response["X-Probe"] = "probe"
     response["Cache-Control"] = "no-store"
     response.set_cookie("probe_session", "secret-cookie")
+    if request.GET.get("raw_cookie"):  # a raw header, which set_cookie() never produces
+        response["Set-Cookie"] = "raw_session=secret-raw-cookie; HttpOnly"
+    if request.GET.get("gzip"):  # representation headers a replay must keep
+        response["Content-Encoding"] = "gzip"
+        response["Content-Language"] = "de"
+        response["Content-Disposition"] = 'attachment; filename="order.json"'
     return response
 
 
@@ -76,6 +84,14 @@ def effect_response(request: HttpRequest, effect: Effect) -> HttpResponse:
 def effect(request: HttpRequest) -> HttpResponse:
     """The all-purpose probe: one effect, then the status asked for."""
     return effect_response(request, record_effect(request, "effect"))
+
+
+@idempotent(required=True)
+def form(request: HttpRequest) -> HttpResponse:
+    """CSRF-protected (not exempt), as a form view is: CSRF reads ``request.POST`` first."""
+    effect = record_effect(request, "form")
+    files = {name: upload.read().decode() for name, upload in request.FILES.items()}
+    return JsonResponse({**effect_payload(request, effect), "files": files}, status=201)
 
 
 @csrf_exempt
@@ -152,6 +168,24 @@ class DrfApiView(APIView):
         return Response(payload, status=201, headers={"Location": f"/probe/effects/{effect.pk}"})
 
 
+class ReadsData(BasePermission):
+    """A permission that looks at the body: DRF's parser consumes the request stream."""
+
+    def has_permission(self, request: Request, view: Any) -> bool:
+        return request.data.get("allowed", "yes") != "no"
+
+
+class DrfDataPermission(APIView):
+    permission_classes = [ReadsData]
+
+    @idempotent(required=True, methods=["POST", "PATCH"])
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-data-permission")
+        return Response({**effect_payload(request, effect), "echo": request.data}, status=201)
+
+    patch = post
+
+
 @method_decorator(idempotent(required=True), name="post")
 class DrfMethodDecorated(APIView):
     """``method_decorator`` on an APIView: the decorator finds the view through DRF."""
@@ -217,3 +251,60 @@ async def undecorated_async(request: HttpRequest) -> HttpResponse:
     if request.GET.get("raise"):
         raise ProbeError("the undecorated async probe view raised on purpose")
     return JsonResponse({"effect": effect.pk, "nonce": uuid.uuid4().hex}, status=201)
+
+
+# -- DRF and class-based views under the middleware (paths under /probe/mw/) -------------------
+
+
+class DrfPlain(APIView):
+    """A DRF view without the mixin: the middleware runs its authenticators for the owner."""
+
+    permission_classes = [IsAuthenticated]
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-plain")
+        return Response(effect_payload(request, effect), status=201)
+
+
+class DrfSafe(IdempotentMixin, APIView):
+    """The recommended set-up: the stored response only after authentication and permissions."""
+
+    idempotency_required = True
+    permission_classes = [IsAdminUser]
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-safe")
+        return Response(effect_payload(request, effect), status=201)
+
+
+class DrfLease(IdempotentMixin, APIView):
+    """Lease mode through the mixin: non-atomic under ATOMIC_REQUESTS by itself."""
+
+    idempotency_atomic = False
+    idempotency_lease = timedelta(seconds=30)
+    idempotency_ttl = timedelta(hours=48)
+    permission_classes: list[type] = []
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-lease")
+        return Response(effect_payload(request, effect), status=201)
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(
+    idempotent(atomic=False, lease=timedelta(seconds=30), ttl=timedelta(hours=48)), name="post"
+)
+class ClassLease(View):
+    """Options on a handler method: the middleware must leave them to the decorator."""
+
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return effect_response(request, record_effect(request, "cbv-lease"))
+
+
+class DrfViewSetLease(viewsets.ViewSet):
+    permission_classes: list[type] = []
+
+    @idempotent(atomic=False, lease=timedelta(seconds=30), ttl=timedelta(hours=48))
+    def create(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-viewset-lease")
+        return Response(effect_payload(request, effect), status=201)

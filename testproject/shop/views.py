@@ -4,6 +4,8 @@
   ``{"reference", "amount_cents", "provider", "external_payment_id"}`` creates an order and its
   payment once, and publishes ``OrderConfirmed`` to the billing consumer on commit.
 * ``POST /api/unsafe-orders/`` is the same endpoint without any protection, for comparison.
+* ``GET /api/orders/<id>/`` (and ``/api/unsafe-orders/<id>/``) shows an order: the ``Location``
+  both answer with.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.shortcuts import render
+from django.shortcuts import get_object_or_404, render
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from django_idempotency import idempotent
 from django_idempotency.models import IdempotencyRecord, ProcessedEvent
@@ -25,6 +27,7 @@ from testproject.shop.models import LedgerEntry, Order, Payment
 from testproject.shop.orders import (
     InvalidOrder,
     OrderRequest,
+    Placed,
     place_order,
     place_order_unprotected,
 )
@@ -74,6 +77,14 @@ def unsafe_orders_api(request: HttpRequest) -> HttpResponse:
     response = JsonResponse(placed.as_dict(), status=201)
     response["Location"] = f"/api/unsafe-orders/{placed.order.pk}/"
     return response
+
+
+@require_GET
+def order_detail(request: HttpRequest, pk: int) -> HttpResponse:
+    """The order a ``Location`` header points to, with its payment."""
+    order = get_object_or_404(Order, pk=pk)
+    placed = Placed(order, order.payments.first(), None, False).as_dict()
+    return JsonResponse({"order": placed["order"], "payment": placed["payment"]})
 
 
 def home(request: HttpRequest) -> HttpResponse:
