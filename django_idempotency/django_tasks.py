@@ -30,7 +30,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
-from django_idempotency.events import EVENT_ID_KEY, idempotent_consumer, normalize_event_id
+from django_idempotency.consumers import idempotent_consumer
+from django_idempotency.event_ids import EVENT_ID_KEY, normalize_event_id
 from django_idempotency.exceptions import MissingEventId
 
 __all__ = ["idempotent_task"]
