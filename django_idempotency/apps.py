@@ -8,4 +8,5 @@ class DjangoIdempotencyConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from django_idempotency import checks  # noqa: F401  (registers the system checks)
+        # Importing the check modules registers their system checks.
+        from django_idempotency import checks, http_checks  # noqa: F401

@@ -152,7 +152,3 @@ def check_binary_collation(
                 )
             )
     return messages
-
-
-# The HTTP set-up checks (W020, E021, W022) live in their own module; importing it registers them.
-from django_idempotency import http_checks  # noqa: E402, F401

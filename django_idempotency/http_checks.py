@@ -8,8 +8,8 @@ django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
 django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
 ======================  =====================================================================
 
-IDs E020-E029 / W020-W029 belong to the HTTP adapters. Registered by importing
-:mod:`django_idempotency.checks`.
+IDs E020-E029 / W020-W029 belong to the HTTP adapters. ``AppConfig.ready()`` imports this
+module, which registers them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from django.core.checks import CheckMessage, Error, Tags, Warning, register
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-from django_idempotency.checks import MIDDLEWARE_PATH  # checks imports this module at its end
+from django_idempotency.checks import MIDDLEWARE_PATH
 from django_idempotency.conf import conf
 
 #: How many views a check message names before "and N more".
