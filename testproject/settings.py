@@ -6,6 +6,8 @@ Configured from the environment with django-environ:
   ``postgres://postgres@127.0.0.1:5432/idempotency`` or ``mysql://root@127.0.0.1:3306/idempotency``.
 * ``CELERY_BROKER_URL``: unset means Celery runs tasks eagerly in the web process; set it
   (``redis://127.0.0.1:6379/0``, ``amqp://guest:guest@127.0.0.1:5672//``) to use a real broker.
+* ``PSP_URL``: the payment provider the ride checkout (``testproject/shop/rides.py``) charges;
+  the tests start a fake one (``tests/psp.py``).
 * ``TEST_DB_SUFFIX``: appended to test database names so parallel runs do not collide.
 """
 
@@ -103,6 +105,8 @@ REST_FRAMEWORK = {
 
 IDEMPOTENCY: dict[str, object] = {}
 
+PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
+
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=not CELERY_BROKER_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
@@ -115,6 +119,11 @@ CELERY_BEAT_SCHEDULE = {
     "idempotency-purge": {
         "task": "django_idempotency.purge_expired",
         "schedule": timedelta(minutes=15),
+    },
+    # Finish phased requests whose client gave up (docs/flows.md).
+    "idempotency-complete-flows": {
+        "task": "django_idempotency.complete_flows",
+        "schedule": timedelta(minutes=1),
     },
 }
 
