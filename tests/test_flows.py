@@ -263,7 +263,7 @@ def test_phases_inside_an_atomic_block_are_refused() -> None:
         "/x", data=b"{}", content_type="application/json", HTTP_IDEMPOTENCY_KEY="k-nested"
     )
     request.user = _anonymous()
-    with pytest.raises(TransactionManagementError, match="inside transaction.atomic"):
+    with pytest.raises(TransactionManagementError, match=r"inside transaction\.atomic"):
         view(request)
 
 
