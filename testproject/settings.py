@@ -121,10 +121,12 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": timedelta(minutes=15),
     },
     # Finish phased requests whose client gave up (docs/flows.md).
+    # --8<-- [start:complete-flows]
     "idempotency-complete-flows": {
         "task": "django_idempotency.complete_flows",
         "schedule": timedelta(minutes=1),
     },
+    # --8<-- [end:complete-flows]
 }
 
 LOGGING = {

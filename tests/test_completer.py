@@ -144,3 +144,14 @@ def test_runs_whose_record_was_purged_are_deleted(client: Client) -> None:
     assert FlowRun.objects.count() == 1
     assert delete_orphans() == 1
     assert FlowRun.objects.count() == 0
+
+
+def test_the_beat_schedule_of_the_guide_names_the_registered_task() -> None:
+    from django.conf import settings
+
+    from django_idempotency.tasks import COMPLETE_FLOWS_TASK_NAME
+    from testproject.celery import app
+
+    entry = settings.CELERY_BEAT_SCHEDULE["idempotency-complete-flows"]
+    assert entry["task"] == COMPLETE_FLOWS_TASK_NAME
+    assert COMPLETE_FLOWS_TASK_NAME in app.tasks

@@ -61,6 +61,7 @@ def _publish(task: Any, args: list[Any], plan: dict[str, Any]) -> None:
     task.apply_async(args=args, queue=plan.get("queue"))
 
 
+# --8<-- [start:saga]
 def _run_step(task: Task[Any, Any], saga_id: str, step: str, plan: dict[str, Any]) -> str:
     saga = Saga(SAGA, saga_id)
 
@@ -108,6 +109,9 @@ def compensate(self: Task[Any, Any], saga_id: str, step: str, plan: dict[str, An
         _crash(self, plan, f"{step}.compensate")
 
     return Saga(SAGA, saga_id).compensate(step, undo).status
+
+
+# --8<-- [end:saga]
 
 
 STEP_TASKS = {"reserve_stock": reserve_stock, "charge": charge, "ship": ship}
