@@ -80,10 +80,12 @@ __all__ = [
     "Flow",
     "FlowFailed",
     "FlowView",
+    "derive_key",
     "flow_failed",
     "get_flow_view",
     "phase_committed",
     "phase_ran",
+    "record_key",
 ]
 
 logger = logging.getLogger("django_idempotency")
@@ -94,7 +96,7 @@ MAX_PHASE_NAME = 100
 """The longest phase name: the width of :attr:`FlowRun.recovery_point`."""
 
 COMPENSATION_CONSUMER = "django_idempotency.flow.compensate"
-"""The consumer name under which each compensation reserves the phase's key, so it runs once."""
+"""The consumer name under which each compensation reserves ``<run id>:<phase>``, to run once."""
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS
 
@@ -311,13 +313,23 @@ class _FlowCore(Idempotency):
 # --- The flow object ----------------------------------------------------------------------------
 
 
-def derive_key(owner: str, key: str, name: str) -> str:
-    """A UUID (version 8) derived from the owner, the client's key and a name."""
-    digest = hashlib.sha256(f"django_idempotency.flow\0{owner}\0{key}\0{name}".encode()).digest()
+def derive_key(owner: str, key: str, fingerprint: str, name: str) -> str:
+    """A UUID (version 8) derived from a request (owner, key, fingerprint) and a name.
+
+    The fingerprint keeps a key that is reused for a different request, after its record
+    expired, from reaching the other system under the earlier request's keys.
+    """
+    text = f"django_idempotency.flow\0{owner}\0{key}\0{fingerprint}\0{name}"
+    digest = hashlib.sha256(text.encode()).digest()
     value = int.from_bytes(digest[:16], "big")
     value = (value & ~(0xF << 76)) | (0x8 << 76)  # version 8
     value = (value & ~(0b11 << 62)) | (0b10 << 62)  # the RFC 9562 variant
     return str(uuid.UUID(int=value))
+
+
+def record_key(record: IdempotencyRecord, name: str) -> str:
+    """The key that the flow of ``record`` passes out for phase ``name`` (to look a call up)."""
+    return derive_key(record.owner, record.key, record.fingerprint, name)
 
 
 @dataclass
@@ -429,14 +441,18 @@ class Flow:
     def key_for(self, name: str) -> str:
         """The idempotency key for phase ``name``'s foreign call.
 
-        Derived from the owner, the client's key and ``name``, so it is the same on every retry,
-        in every process and in the completer (a random one when the request has no key).
+        Derived from the owner, the client's key, the request's fingerprint and ``name``, so it
+        is the same on every retry, in every process and in the completer (a random one when
+        the request has no key). :func:`record_key` finds it again from the record.
         """
         if name not in self._keys:
             if self.command is None:
                 self._keys[name] = str(uuid.uuid4())
             else:
-                self._keys[name] = derive_key(self.command.owner, self.command.key, name)
+                command = self.command
+                self._keys[name] = derive_key(
+                    command.owner, command.key, command.fingerprint, name
+                )
         return self._keys[name]
 
     @property
@@ -579,7 +595,7 @@ class Flow:
             with transaction.atomic(using=self._alias):
                 self._fence()
                 if try_reserve(
-                    self.key_for(done.name),
+                    f"{self._run_id}:{done.name}",  # FlowRun ids are never reused
                     COMPENSATION_CONSUMER,
                     topic=self.view.name if self.view else None,
                     using=self._alias,

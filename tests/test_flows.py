@@ -19,7 +19,7 @@ from django.test import Client, RequestFactory
 from django.utils import timezone
 
 from django_idempotency import idempotent
-from django_idempotency.flows import Flow, FlowFailed, derive_key
+from django_idempotency.flows import Flow, FlowFailed, derive_key, record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord, ProcessedEvent
 from testproject.shop.models import Effect
 from testproject.shop.probe_flows import REMOTE_CALLS, ProbeError
@@ -55,7 +55,8 @@ def test_a_first_run_commits_each_phase_and_stores_the_response(client: Client) 
     assert response.status_code == 201
     data = body(response)
     assert data["resumed"] is False
-    assert data["two"] == {"id": f"ch_{derive_key('anonymous', key, 'two')[:8]}", "calls": 1}
+    record = IdempotencyRecord.objects.get(key=key)
+    assert data["two"] == {"id": f"ch_{record_key(record, 'two')[:8]}", "calls": 1}
     assert effects("flow-one", key) == effects("flow-three", key) == 1
     run = FlowRun.objects.get(record__key=key)
     assert run.state == FlowRun.State.COMPLETED
@@ -206,11 +207,16 @@ def test_unresumable_call_interrupted_rolls_forward_to_failure(client: Client) -
     assert ProcessedEvent.objects.filter(consumer="django_idempotency.flow.compensate").count()
 
 
-def test_the_derived_key_is_a_stable_uuid8_per_owner_key_and_phase() -> None:
-    key = derive_key("user:1", "abc", "charge")
-    assert key == derive_key("user:1", "abc", "charge")
-    assert len({key, derive_key("user:2", "abc", "charge"), derive_key("user:1", "abd", "charge"),
-                derive_key("user:1", "abc", "refund")}) == 4  # fmt: skip
+def test_the_derived_key_is_a_stable_uuid8_per_request_and_phase() -> None:
+    key = derive_key("user:1", "abc", "f1", "charge")
+    assert key == derive_key("user:1", "abc", "f1", "charge")
+    others = {
+        derive_key("user:2", "abc", "f1", "charge"),
+        derive_key("user:1", "abd", "f1", "charge"),
+        derive_key("user:1", "abc", "f2", "charge"),
+        derive_key("user:1", "abc", "f1", "refund"),
+    }
+    assert len(others | {key}) == 5
     parsed = uuid.UUID(key)
     assert parsed.version == 8 and parsed.variant == uuid.RFC_4122
 
@@ -301,12 +307,14 @@ def test_async_views_are_refused() -> None:
 def test_a_run_left_by_an_expired_key_is_discarded(client: Client) -> None:
     key = str(uuid.uuid4())
     with pytest.raises(ProbeError):
-        post(client, URL, key, data={"a": 1}, headers={"X-Flow-Raise": "one"})
+        post(client, URL, key, data={"a": 1}, headers={"X-Flow-Raise": "two"})
     IdempotencyRecord.objects.filter(key=key).update(expires_at=timezone.now())
     response = post(client, URL, key, data={"a": 2})  # a new request under the expired key
     assert response.status_code == 201
     assert body(response)["resumed"] is False
     assert effects("flow-one", key) == 2
+    # Its foreign call went out under a key of its own, not the earlier request's.
+    assert sorted(REMOTE_CALLS.values()) == [1, 1]
     run = FlowRun.objects.get(record__key=key)
     assert run.state == FlowRun.State.COMPLETED
     assert json.loads(__import__("base64").b64decode(run.request["body"])) == {"a": 2}

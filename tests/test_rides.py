@@ -9,7 +9,7 @@ import pytest
 from django.test import Client, override_settings
 
 from django_idempotency.completer import complete_abandoned
-from django_idempotency.flows import derive_key
+from django_idempotency.flows import record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop import rides
 from testproject.shop.models import Receipt, Ride
@@ -37,7 +37,9 @@ def test_a_ride_is_created_charged_and_receipted_once(psp: Provider) -> None:
     ride = Ride.objects.get(pk=data["ride"])
     assert (ride.status, ride.charge_id) == (Ride.Status.CHARGED, data["charge"])
     assert Receipt.objects.get(ride=ride).amount_cents == rides.RIDE_PRICE_CENTS
-    assert psp.charge_keys() == [derive_key("anonymous", key, "charge_created")]
+    assert psp.charge_keys() == [
+        record_key(IdempotencyRecord.objects.get(key=key), "charge_created")
+    ]
 
     replay = post(client, URL, key, RIDE)
     assert replay["Idempotent-Replayed"] == "true"
@@ -100,7 +102,7 @@ def test_a_ride_rolled_forward_is_cancelled_and_refunded_once(psp: Provider) -> 
         rides.finish = original
     assert outcomes == ["raised", "failed"]
     assert Ride.objects.get().status == Ride.Status.CANCELLED
-    refund_key = derive_key("anonymous", key, "charge_created:compensate")
+    refund_key = record_key(IdempotencyRecord.objects.get(key=key), "charge_created:compensate")
     assert [call for call in psp.calls if call[0] == "/v1/refunds"] == [
         ("/v1/refunds", refund_key)
     ]
