@@ -318,3 +318,38 @@ def test_a_run_left_by_an_expired_key_is_discarded(client: Client) -> None:
     run = FlowRun.objects.get(record__key=key)
     assert run.state == FlowRun.State.COMPLETED
     assert json.loads(__import__("base64").b64decode(run.request["body"])) == {"a": 2}
+
+
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_concurrent_resumes_and_the_completer_race_to_one_run(client: Client) -> None:
+    """Eight retries and the completer resume one abandoned flow at once: one of them runs."""
+    import threading
+
+    from django_idempotency.completer import complete_abandoned
+    from tests.probes import in_thread
+
+    key = str(uuid.uuid4())
+    with pytest.raises(ProbeError):
+        post(client, URL, key, headers={"X-Flow-Raise": "one"})
+    barrier = threading.Barrier(9)
+
+    def retry() -> int:
+        barrier.wait()
+        response = post(Client(), URL, key)
+        return response.status_code if not response.has_header("Idempotent-Replayed") else 0
+
+    def complete() -> str:
+        barrier.wait()
+        return ",".join(done.outcome for done in complete_abandoned())
+
+    threads = [in_thread(retry) for _ in range(8)] + [in_thread(complete)]
+    for thread, _ in threads:
+        thread.join(60)
+    outcomes = [outcome.get("result", outcome.get("error")) for _, outcome in threads]
+    ran = outcomes[:8].count(201) + (outcomes[8] == "completed")
+    assert ran == 1, outcomes
+    assert set(outcomes[:8]) <= {201, 409, 0}, outcomes  # 0: a replay of the finished run
+    assert effects("flow-one", key) == effects("flow-three", key) == 1
+    assert sum(REMOTE_CALLS.values()) == 1
+    assert IdempotencyRecord.objects.get(key=key).state == IdempotencyRecord.State.COMPLETED
