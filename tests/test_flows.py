@@ -353,3 +353,24 @@ def test_concurrent_resumes_and_the_completer_race_to_one_run(client: Client) ->
     assert effects("flow-one", key) == effects("flow-three", key) == 1
     assert sum(REMOTE_CALLS.values()) == 1
     assert IdempotencyRecord.objects.get(key=key).state == IdempotencyRecord.State.COMPLETED
+
+
+def test_the_statements_a_flow_adds(client: Client) -> None:
+    """The cost in docs/flows.md: per phase, one fence and one write of the run."""
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    with CaptureQueriesContext(connection) as queries:
+        assert post(client, URL, str(uuid.uuid4())).status_code == 201
+    statements = [query["sql"] for query in queries.captured_queries]
+    runs = [sql for sql in statements if "django_idempotency_flowrun" in sql]
+    fences = [
+        sql
+        for sql in statements
+        if sql.startswith("UPDATE") and "idempotencyrecord" in sql and "'completed'" not in sql
+    ]
+    # The run: read once, created by phase one, moved by the call and by phase three, then
+    # marked completed with the response. The fence: phase one, the call (before and after),
+    # phase three.
+    assert [sql.split()[0] for sql in runs] == ["SELECT", "INSERT", "UPDATE", "UPDATE", "UPDATE"]
+    assert len(fences) == 4
