@@ -17,6 +17,7 @@ from django_idempotency.completer import complete_abandoned, delete_orphans
 from django_idempotency.flows import FlowFailed
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from django_idempotency.tasks import complete_flows
+from testproject.shop import probe_flows
 from testproject.shop.probe_flows import REMOTE_CALLS, ProbeError
 from tests.probes import body, effects, post, problem
 
@@ -89,22 +90,18 @@ def test_after_max_attempts_the_flow_rolls_forward_with_its_compensations(
     assert effects("flow-refund-two", key) == effects("flow-undo-one", key) == 1
 
 
-def test_a_view_that_keeps_raising_is_counted_then_rolled_forward(client: Client) -> None:
+def test_a_view_that_keeps_raising_is_counted_then_rolled_forward(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key = abandon(client, "one")
-    # The completer's rebuilt request has no X-Flow-Raise; make the remote call fail instead.
-    REMOTE_CALLS.clear()
-    import testproject.shop.probe_flows as probes
-
-    original = probes._remote
 
     def broken(call_key: str, request: object) -> dict[str, object]:
         raise ProbeError("the provider is down")
 
-    probes._remote = broken  # type: ignore[assignment]
-    try:
-        outcomes = [complete_abandoned(max_attempts=3)[0].outcome for _ in range(3)]
-    finally:
-        probes._remote = original
+    # The completer's rebuilt request has no X-Flow-Raise; make the remote call fail instead.
+    monkeypatch.setattr(probe_flows, "_remote", broken)
+    outcomes = [complete_abandoned(max_attempts=3)[0].outcome for _ in range(3)]
+    monkeypatch.undo()
     assert outcomes == ["raised", "raised", "failed"]
     run = FlowRun.objects.get(record__key=key)
     assert run.state == FlowRun.State.FAILED

@@ -86,20 +86,19 @@ def test_the_provider_down_then_the_completer_finishes_the_ride(psp: Provider) -
     assert IdempotencyRecord.objects.get(key=key).state == IdempotencyRecord.State.COMPLETED
 
 
-def test_a_ride_rolled_forward_is_cancelled_and_refunded_once(psp: Provider) -> None:
+def test_a_ride_rolled_forward_is_cancelled_and_refunded_once(
+    psp: Provider, monkeypatch: pytest.MonkeyPatch
+) -> None:
     client = Client(raise_request_exception=False)
     key = str(uuid.uuid4())
-    original = rides.finish
 
     def broken(ride: Ride, charge: dict[str, object]) -> Receipt:
         raise RuntimeError("the receipt printer is on fire")
 
-    rides.finish = broken
-    try:
-        assert post(client, URL, key, RIDE).status_code == 500
-        outcomes = [complete_abandoned(max_attempts=2)[0].outcome for _ in range(2)]
-    finally:
-        rides.finish = original
+    monkeypatch.setattr(rides, "finish", broken)
+    assert post(client, URL, key, RIDE).status_code == 500
+    outcomes = [complete_abandoned(max_attempts=2)[0].outcome for _ in range(2)]
+    monkeypatch.undo()
     assert outcomes == ["raised", "failed"]
     assert Ride.objects.get().status == Ride.Status.CANCELLED
     refund_key = record_key(IdempotencyRecord.objects.get(key=key), "charge_created:compensate")
