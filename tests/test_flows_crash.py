@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from django.db import connection
@@ -27,8 +30,11 @@ from django_idempotency.completer import complete_abandoned
 from django_idempotency.flows import record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Receipt, Ride
+from tests.conftest import require_service
 from tests.psp import Provider, provider
-from tests.servers import Gunicorn, Reply, gunicorn
+from tests.servers import REPO, Gunicorn, Reply, database_url, gunicorn
+from tests.services import BROKER_URLS
+from tests.workers import worker_group
 
 pytestmark = [
     pytest.mark.slow,
@@ -142,3 +148,52 @@ def test_the_client_never_retries_and_the_completer_finishes(
     assert late.headers.get("Idempotent-Replayed") == "true"
     assert_once(fresh_psp, key, late)
     assert FlowRun.objects.get().state == FlowRun.State.COMPLETED
+
+
+def test_the_command_in_its_own_process_finishes_a_killed_request(
+    server: Gunicorn, fresh_psp: Provider
+) -> None:
+    """``manage.py idempotency_complete`` finds the view by name in a fresh process."""
+    key = f"command-{os.getpid()}"
+    crash(server, key, "charge_created:ran")
+    env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
+    env["PSP_URL"] = fresh_psp.url
+    done = subprocess.run(
+        [sys.executable, "manage.py", "idempotency_complete", "--json"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    [line] = done.stdout.splitlines()
+    assert json.loads(line) | {"record": None} == {
+        "record": None,
+        "key": key,
+        "flow": "testproject.shop.rides:create_ride",
+        "outcome": "completed",
+        "status": 201,
+        "detail": "",
+    }
+    late = server.post(URL, key, body=RIDE)
+    assert late.headers.get("Idempotent-Replayed") == "true"
+    assert_once(fresh_psp, key, late)
+
+
+def test_the_celery_task_on_a_real_worker_finishes_a_killed_request(
+    server: Gunicorn, fresh_psp: Provider, tmp_path: Path
+) -> None:
+    require_service("redis")
+    key = f"celery-{os.getpid()}"
+    crash(server, key, "finished:ran")
+    assert os.environ["PSP_URL"] == fresh_psp.url  # set by the server fixture; inherited
+    with worker_group(
+        broker_url=BROKER_URLS["redis"],
+        db_url=database_url(connection.settings_dict),
+        log_dir=tmp_path,
+        label="completer",
+        workers=1,
+        concurrency=1,
+    ) as group:
+        result = group.publish("django_idempotency.complete_flows")
+        [done] = result.get(timeout=60)
+    assert (done["key"], done["outcome"], done["status"]) == (key, "completed", 201)
+    late = server.post(URL, key, body=RIDE)
+    assert late.headers.get("Idempotent-Replayed") == "true"
+    assert_once(fresh_psp, key, late)
