@@ -139,13 +139,14 @@ def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:
     if not data or data.get("view_args") is None:
         raise ValueError("the run did not store its request (its URL arguments are not JSON)")
     meta: dict[str, Any] = {"HTTP_" + conf.HEADER.upper().replace("-", "_"): record.key}
+    if data.get("host"):
+        meta["HTTP_HOST"] = data["host"]
     request = RequestFactory().generic(
         data["method"],
         data["path"],
         data=base64.b64decode(data["body"]),
         content_type=data["content_type"] or "application/octet-stream",
         secure=bool(data["secure"]),
-        HTTP_HOST=data["host"],
         **meta,
     )
     user: Any = AnonymousUser()

@@ -625,7 +625,8 @@ class Flow:
         return {
             "method": request.method,
             "path": request.get_full_path(),
-            "host": request.get_host(),
+            # As sent: validating it against ALLOWED_HOSTS is the view's business, not a phase's.
+            "host": request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", ""),
             "secure": request.is_secure(),
             "content_type": request.META.get("CONTENT_TYPE", ""),
             "body": base64.b64encode(request.body).decode("ascii"),
