@@ -61,7 +61,11 @@ def provider() -> Iterator[Provider]:
                     return 402, {"reason": "card_declined"}
                 charge = state.charges.setdefault(
                     key,
-                    {"id": f"ch_{len(state.charges) + 1}", "amount": payload["amount"]},
+                    {
+                        "id": f"ch_{len(state.charges) + 1}",
+                        "amount": payload["amount"],
+                        "customer": payload.get("customer"),
+                    },
                 )
                 return 200, charge
             if self.path == "/v1/refunds":

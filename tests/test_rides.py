@@ -108,3 +108,25 @@ def test_a_ride_rolled_forward_is_cancelled_and_refunded_once(
     late = post(client, URL, key, RIDE)
     assert (late.status_code, late["Idempotent-Replayed"]) == (502, "true")
     assert len(psp.refunds) == 1
+
+
+def test_the_completer_runs_the_view_as_the_requests_user(psp: Provider) -> None:
+    from django.contrib.auth import get_user_model
+
+    user = get_user_model().objects.create_user("rider", password="x")
+    client = Client(raise_request_exception=False)
+    client.force_login(user)
+    key = str(uuid.uuid4())
+    with override_settings(PSP_URL="http://127.0.0.1:9"):
+        assert post(client, URL, key, RIDE).status_code == 500
+    assert IdempotencyRecord.objects.get(key=key).owner == f"user:{user.pk}"
+
+    [done] = complete_abandoned()
+    assert done.outcome == "completed"
+    assert Ride.objects.get().customer == user
+    [charge] = psp.charges.values()
+    assert psp.charge_keys() == [
+        record_key(IdempotencyRecord.objects.get(key=key), "charge_created")
+    ]
+    assert (charge["id"], charge["customer"]) == (Ride.objects.get().charge_id, f"user-{user.pk}")
+    assert post(client, URL, key, RIDE)["Idempotent-Replayed"] == "true"
