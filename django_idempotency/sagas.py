@@ -11,8 +11,9 @@ A compensation never runs for a step that did not happen. Before it runs, it tri
 the *step's* key itself:
 
 * if that succeeds, the step never committed: the reservation now stands in for it (a
-  tombstone), so a late or redelivered step message finds it taken and is skipped as
-  ``cancelled``, and the compensation's body does not run;
+  tombstone, told apart by its topic, ``"<saga name> (cancelled)"``), so a late or redelivered
+  step message finds it taken and is skipped as ``cancelled``, and the compensation's body
+  does not run;
 * if the step's key is taken, the step happened (or is committing: the insert waits for that
   transaction and sees its outcome), and the compensation runs once.
 
@@ -103,7 +104,7 @@ class Saga:
         with transaction.atomic(using=self.using):
             if self._reserve(step):
                 return StepOutcome(APPLIED, body())
-            cancelled = self._reserved(f"{step}.compensate")
+            cancelled = not self.happened(step)  # its key is its compensation's tombstone
         status = CANCELLED if cancelled else DUPLICATE
         logger.info("saga %s %s: step %s %s", self.name, self.saga_id, step, status)
         return StepOutcome(status)
@@ -137,11 +138,4 @@ class Saga:
         topic = self._tombstone_topic if tombstone else self.name
         return try_reserve(
             self.saga_id, self.consumer(step), topic=topic, ttl=self.ttl, using=self.using
-        )
-
-    def _reserved(self, step: str) -> bool:
-        return (
-            ProcessedEvent.objects.using(self.using)
-            .filter(consumer=self.consumer(step), event_id=self.saga_id)
-            .exists()
         )

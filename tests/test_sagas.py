@@ -51,6 +51,9 @@ def test_a_compensation_runs_once_after_its_step() -> None:
     outcomes = [saga.compensate("charge", effect("refund", saga.saga_id)).status for _ in "ab"]
     assert outcomes == ["applied", "duplicate"]
     assert effects("refund", saga.saga_id) == 1
+    # The step's message redelivered after its compensation: a duplicate, not a cancellation.
+    assert saga.step("charge", effect("charge", saga.saga_id)).status == "duplicate"
+    assert effects("charge", saga.saga_id) == 1
 
 
 def test_a_compensation_never_runs_for_a_step_that_did_not_happen() -> None:
