@@ -68,7 +68,7 @@ def test_a_first_run_commits_each_phase_and_stores_the_response(client: Client) 
     replay = post(client, URL, key)
     assert replay["Idempotent-Replayed"] == "true"
     assert replay.content == response.content
-    assert effects(key=key) == 2
+    assert effects(key=key) == 2  # flow-one and flow-three; the call has its own key
     assert sum(REMOTE_CALLS.values()) == 1
 
 

@@ -29,8 +29,9 @@ from django.utils import timezone
 from django_idempotency.completer import complete_abandoned
 from django_idempotency.flows import record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord
-from testproject.shop.models import Receipt, Ride
+from testproject.shop.models import Effect, Receipt, Ride
 from tests.conftest import require_service
+from tests.probes import effects
 from tests.psp import Provider, provider
 from tests.servers import REPO, Gunicorn, Reply, database_url, gunicorn
 from tests.services import BROKER_URLS
@@ -70,17 +71,17 @@ def server(django_db_setup: None, psp: Provider) -> Iterator[Gunicorn]:
             os.environ["PSP_URL"] = previous
 
 
-def crash(server: Gunicorn, key: str, point: str) -> None:
+def crash(server: Gunicorn, key: str, point: str, url: str = URL, body: bytes = RIDE) -> None:
     """Send the request; its worker dies at ``point`` and the client gets no answer."""
     try:
-        reply: Reply | None = server.post(URL, key, body=RIDE, headers={"X-Crash-At": point})
+        reply: Reply | None = server.post(url, key, body=body, headers={"X-Crash-At": point})
     except OSError:
         reply = None
     assert reply is None or reply.status >= 500, reply
     record = IdempotencyRecord.objects.get(key=key)
     assert record.state == IdempotencyRecord.State.IN_PROGRESS  # the claim committed first
     # As if the lease (30 s) had run out; a retry inside it would get 409.
-    assert server.post(URL, key, body=RIDE).status == 409
+    assert server.post(url, key, body=body).status == 409
     IdempotencyRecord.objects.filter(key=key).update(
         locked_until=timezone.now() - timedelta(seconds=1)
     )
@@ -197,3 +198,29 @@ def test_the_celery_task_on_a_real_worker_finishes_a_killed_request(
     late = server.post(URL, key, body=RIDE)
     assert late.headers.get("Idempotent-Replayed") == "true"
     assert_once(fresh_psp, key, late)
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_sigkill_after_a_call_returned_and_before_it_was_recorded(
+    server: Gunicorn, resumable: bool
+) -> None:
+    """A call that takes a key is made again under it; one marked resumable=False never is."""
+    url = "/probe/flow/" if resumable else "/probe/flow-unresumable/"
+    key = f"probe-{resumable}-{os.getpid()}"
+    crash(server, key, "two:ran", url=url, body=b"{}")
+    reply = server.post(url, key)
+    call_key = record_key(IdempotencyRecord.objects.get(key=key), "two")
+    calls = list(Effect.objects.filter(name="flow-remote-call").values_list("payload", flat=True))
+    if resumable:
+        assert reply.status == 201, reply
+        assert calls == [call_key, call_key]  # again, under the same key
+        assert (effects("flow-one", key), effects("flow-three", key)) == (1, 1)
+    else:
+        assert reply.status == 502, reply
+        problem = json.loads(reply.body)
+        assert (problem["interrupted"], problem["compensated"]) == ("two", ["one"])
+        assert calls == [call_key]  # never again
+        assert (effects("flow-undo-one", key), effects("flow-three", key)) == (1, 0)
+    replay = server.post(url, key)
+    assert (replay.status, replay.headers.get("Idempotent-Replayed")) == (reply.status, "true")
+    assert Effect.objects.filter(name="flow-remote-call").count() == len(calls)

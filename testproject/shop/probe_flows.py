@@ -1,7 +1,8 @@
 """Phased views for the test suite (``@idempotent(phases=True)``), and the crash-point hook.
 
 ``/probe/flow/`` runs three phases: ``one`` (local, an ``Effect`` named ``flow-one``), ``two``
-(a "foreign" call counted in :data:`REMOTE_CALLS`, in this process) and ``three`` (local,
+(a "foreign" call, counted in :data:`REMOTE_CALLS` in this process and as a committed
+``flow-remote-call`` effect with the call's key as payload) and ``three`` (local,
 ``flow-three``). ``/probe/flow-unresumable/`` is the same with ``two`` marked
 ``resumable=False``. Headers, which are not part of the fingerprint, so that a retry may differ:
 
@@ -40,6 +41,9 @@ class ProbeError(RuntimeError):
 
 
 def _remote(key: str, request: HttpRequest) -> dict[str, Any]:
+    # An "other system": it commits on its own (no transaction is open during a call), so the
+    # gunicorn tests can count calls across processes.
+    Effect.objects.create(name="flow-remote-call", payload=key)
     REMOTE_CALLS[key] += 1
     if request.headers.get("X-Flow-Raise") == "inside-two":
         raise ProbeError("the remote call failed after it started")
