@@ -18,6 +18,9 @@
     @idempotent(atomic=False, lease=timedelta(seconds=30))   # lease mode
     def charge(request): ...
 
+    @idempotent(phases=True, lease=timedelta(seconds=30))    # phases: see flows.py
+    def checkout(request, flow): ...
+
 ``async def`` views are supported as well. A lease-mode function view is marked non-atomic on
 ``IDEMPOTENCY["DATABASE"]`` itself, as ``@transaction.non_atomic_requests`` would mark it, so it
 works under ``ATOMIC_REQUESTS = True``. A method (``method_decorator`` or a DRF method) cannot be
@@ -55,6 +58,7 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool = True,
     lease: timedelta | float | None = None,
+    phases: bool = False,
 ) -> Callable[[V], V]: ...
 
 
@@ -67,6 +71,7 @@ def idempotent(
     methods: Iterable[str] | None = None,
     atomic: bool = True,
     lease: timedelta | float | None = None,
+    phases: bool = False,
 ) -> V | Callable[[V], V]:
     """Make a view safe to retry with an ``Idempotency-Key`` header.
 
@@ -78,15 +83,21 @@ def idempotent(
         transaction. False selects lease mode, for views that call other systems.
     :param lease: lease mode only: how long a claim is held before a retry may take it over;
         default ``IDEMPOTENCY["LEASE"]``.
+    :param phases: lease mode split into atomic phases with recovery points: the view takes
+        ``(request, flow)``; see :mod:`django_idempotency.flows`. Implies ``atomic=False``.
 
     The view may be a function, an ``async def`` function, or a method whose first argument is
     ``self`` and second the request (DRF ``APIView`` and ``ViewSet`` methods).
     """
     options = Options.build(
-        required=required, ttl=ttl, methods=methods, atomic=atomic, lease=lease
+        required=required, ttl=ttl, methods=methods, atomic=atomic and not phases, lease=lease
     )
 
     def decorate(func: V) -> V:
+        if phases:
+            from django_idempotency.flows import flow_view
+
+            return flow_view(func, options)  # type: ignore[return-value]
         if iscoroutinefunction(func):
 
             @wraps(func)

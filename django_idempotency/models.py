@@ -1,6 +1,8 @@
 """The tables behind django-idempotency.
 
 * :class:`IdempotencyRecord` remembers one HTTP command per (owner, key) and its response.
+* :class:`FlowRun` remembers how far a multi-step request (``@idempotent(phases=True)``) got:
+  its recovery point, its phases' results, and what is needed to finish it without the client.
 * :class:`ProcessedEvent` remembers that a consumer applied an event; it is written in the same
   transaction as the business effect.
 * :class:`EventDelivery` counts deliveries of an event, committed apart from the business
@@ -73,6 +75,64 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.method} {self.path} [{self.key}]"
+
+
+class FlowRun(models.Model):
+    """The recovery point of one multi-step request; see :mod:`django_idempotency.flows`."""
+
+    class State(models.TextChoices):
+        RUNNING = "running", _("running")
+        COMPLETED = "completed", _("completed")
+        FAILED = "failed", _("failed")
+
+    record = models.OneToOneField(
+        IdempotencyRecord,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,  # the purge deletes records in raw batches; orphans are cleaned up
+        related_name="flow_run",
+        verbose_name=_("idempotency record"),
+    )
+    flow = models.CharField(
+        _("flow"), max_length=255, help_text=_("The view's registered name, module:qualname.")
+    )
+    fingerprint = models.CharField(_("request fingerprint"), max_length=64)
+    state = models.CharField(
+        _("state"), max_length=16, choices=State.choices, default=State.RUNNING
+    )
+    recovery_point = models.CharField(
+        _("recovery point"),
+        max_length=100,
+        blank=True,
+        default="",
+        help_text=_("The last phase that committed."),
+    )
+    results = models.JSONField(_("phase results"), default=dict, blank=True)
+    started = models.CharField(
+        _("started phase"),
+        max_length=100,
+        blank=True,
+        default="",
+        help_text=_("A phase marked resumable=False that began and has not committed."),
+    )
+    request = models.JSONField(
+        _("request"), default=dict, blank=True, help_text=_("What the completer rebuilds.")
+    )
+    attempts = models.PositiveIntegerField(
+        _("failed attempts"), default=0, help_text=_("Runs that raised after a phase.")
+    )
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    updated_at = models.DateTimeField(_("updated"), default=timezone.now)
+
+    class Meta:
+        verbose_name = _("flow run")
+        verbose_name_plural = _("flow runs")
+        indexes = [
+            models.Index(fields=["state", "updated_at"], name="idem_flow_state_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.flow} at {self.recovery_point} ({self.state})"
 
 
 class ProcessedEvent(models.Model):

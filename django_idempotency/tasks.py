@@ -53,3 +53,27 @@ def _key(result: PurgeResult) -> str:
     if result.database in (None, conf.DATABASE):
         return result.label
     return f"{result.database}:{result.label}"
+
+
+COMPLETE_FLOWS_TASK_NAME = "django_idempotency.complete_flows"
+
+
+@shared_task(name=COMPLETE_FLOWS_TASK_NAME)
+def complete_flows(
+    limit: int | None = None, max_attempts: int | None = None
+) -> list[dict[str, Any]]:
+    """Finish phased requests abandoned past their lease (see :mod:`django_idempotency.completer`).
+
+    Schedule it with beat every minute or so, as ``"django_idempotency.complete_flows"``.
+    Returns one ``Completion.as_dict()`` per run handled.
+    """
+    from django_idempotency.completer import (
+        DEFAULT_LIMIT,
+        DEFAULT_MAX_ATTEMPTS,
+        complete_abandoned,
+    )
+
+    completions = complete_abandoned(
+        limit=limit or DEFAULT_LIMIT, max_attempts=max_attempts or DEFAULT_MAX_ATTEMPTS
+    )
+    return [done.as_dict() for done in completions]

@@ -6,6 +6,8 @@ Configured from the environment with django-environ:
   ``postgres://postgres@127.0.0.1:5432/idempotency`` or ``mysql://root@127.0.0.1:3306/idempotency``.
 * ``CELERY_BROKER_URL``: unset means Celery runs tasks eagerly in the web process; set it
   (``redis://127.0.0.1:6379/0``, ``amqp://guest:guest@127.0.0.1:5672//``) to use a real broker.
+* ``PSP_URL``: the payment provider the ride checkout (``testproject/shop/rides.py``) charges;
+  the tests start a fake one (``tests/psp.py``).
 * ``TEST_DB_SUFFIX``: appended to test database names so parallel runs do not collide.
 * ``TASKS_BACKEND``: the default Django Tasks backend. ``immediate`` (the default) runs a task
   when it is enqueued, in the same process; ``database`` stores it for ``manage.py db_worker``
@@ -117,6 +119,8 @@ REST_FRAMEWORK = {
 
 IDEMPOTENCY: dict[str, object] = {}
 
+PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
+
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=not CELERY_BROKER_URL)
 CELERY_TASK_EAGER_PROPAGATES = True
@@ -130,6 +134,13 @@ CELERY_BEAT_SCHEDULE = {
         "task": "django_idempotency.purge_expired",
         "schedule": timedelta(minutes=15),
     },
+    # Finish phased requests whose client gave up (docs/flows.md).
+    # --8<-- [start:complete-flows]
+    "idempotency-complete-flows": {
+        "task": "django_idempotency.complete_flows",
+        "schedule": timedelta(minutes=1),
+    },
+    # --8<-- [end:complete-flows]
 }
 
 # Django Tasks: django.tasks on Django 6.0+, the django-tasks backport on Django 5.2 (which is

@@ -61,3 +61,39 @@ class Effect(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} {self.payload}"
+
+
+class Ride(models.Model):
+    """The ride-sharing checkout of docs/flows.md (Stripe's Rocket Rides, ported)."""
+
+    class Status(models.TextChoices):
+        CREATED = "created"
+        CHARGED = "charged"
+        CANCELLED = "cancelled"
+
+    customer = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL
+    )
+    origin_lat = models.FloatField()
+    origin_lon = models.FloatField()
+    target_lat = models.FloatField()
+    target_lon = models.FloatField()
+    price_cents = models.PositiveIntegerField()
+    charge_id = models.CharField(max_length=100, blank=True, default="")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.CREATED)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"Ride {self.pk} ({self.status})"
+
+
+class Receipt(models.Model):
+    """Written by the last phase of the ride checkout; one per ride."""
+
+    ride = models.OneToOneField(Ride, on_delete=models.CASCADE, related_name="receipt")
+    charge_id = models.CharField(max_length=100)
+    amount_cents = models.PositiveIntegerField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return f"Receipt for ride {self.ride_id}"

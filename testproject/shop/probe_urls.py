@@ -2,6 +2,7 @@
 
 from django.urls import URLPattern, path
 
+from testproject.shop import probe_flows
 from testproject.shop import probe_views as views
 
 urlpatterns: list[URLPattern] = [
@@ -30,4 +31,6 @@ urlpatterns: list[URLPattern] = [
     path("mw/drf/lease/", views.DrfLease.as_view(), name="probe-mw-drf-lease"),
     path("mw/cbv-lease/", views.ClassLease.as_view(), name="probe-mw-cbv-lease"),
     path("mw/drf/viewset-lease/", views.DrfViewSetLease.as_view({"post": "create"})),
+    path("flow/", probe_flows.flow_probe, name="probe-flow"),
+    path("flow-unresumable/", probe_flows.flow_unresumable, name="probe-flow-unresumable"),
 ]

@@ -220,3 +220,6 @@ def on_payment_captured(event: dict[str, Any]) -> int:
 
 
 # --8<-- [end:money]
+
+
+from testproject.shop import checkout_saga  # noqa: E402, F401 - registers the saga's tasks

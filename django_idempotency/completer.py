@@ -1,0 +1,172 @@
+"""The completer: finish multi-step requests that their client abandoned.
+
+A phased request (``@idempotent(phases=True)``) whose process died, or that raised, keeps its
+recovery point in a :class:`~django_idempotency.models.FlowRun`. Once its lease has run out,
+:func:`complete_abandoned` rebuilds the request from what the run stored (method, path and query
+string, host, body, content type, user, the view's URL arguments) and runs the view's flow again
+through the same claim as a retry would: it takes the record over with a new token, resumes at
+the first phase not done, and stores the final response, which a late retry gets as a replay.
+
+A run that has raised ``max_attempts`` times is rolled forward to failure instead (its
+compensations run, the ``flow-failed`` problem is stored). The ``idempotency_complete``
+command and the ``django_idempotency.complete_flows`` Celery task are thin wrappers.
+
+Limits: the view is called directly, without middleware, session, cookies or headers other
+than the content type and the idempotency key; ``request.user`` is the user loaded by primary
+key (or anonymous); views must be function views.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import AnonymousUser
+from django.db.models import Exists, OuterRef
+from django.http import HttpRequest
+from django.test import RequestFactory
+
+from django_idempotency.conf import conf
+from django_idempotency.core import REPLAYED_HEADER, Command
+from django_idempotency.flows import get_flow_view, run
+from django_idempotency.managers import DatabaseNow
+from django_idempotency.models import FlowRun, IdempotencyRecord
+
+__all__ = ["Completion", "abandoned", "complete_abandoned", "rebuild_request"]
+
+logger = logging.getLogger("django_idempotency")
+
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What the completer did with one abandoned run."""
+
+    record: int
+    key: str
+    flow: str
+    outcome: str
+    """``completed``, ``failed`` (rolled forward), ``replayed`` (someone finished it first),
+    ``busy`` (a retry holds it now), ``paused`` (the view returned a 5xx again), ``raised``
+    or ``unavailable`` (its view cannot be found or its request rebuilt)."""
+    status: int | None = None
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def abandoned(using: str | None = None) -> Any:
+    """Runs still in progress whose record's lease has run out, oldest first."""
+    alias = using or conf.DATABASE
+    return (
+        FlowRun.objects.using(alias)
+        .filter(
+            state=FlowRun.State.RUNNING,
+            record__state=IdempotencyRecord.State.IN_PROGRESS,
+            record__locked_until__lte=DatabaseNow(),
+        )
+        .select_related("record")
+        .order_by("updated_at")
+    )
+
+
+def complete_abandoned(
+    *,
+    limit: int = DEFAULT_LIMIT,
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+    using: str | None = None,
+) -> list[Completion]:
+    """Drive up to ``limit`` abandoned runs to their end; delete runs whose record is gone."""
+    if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
+        raise ValueError(f"max_attempts must be a positive integer, not {max_attempts!r}.")
+    done = [complete_one(run, max_attempts=max_attempts) for run in abandoned(using)[:limit]]
+    delete_orphans(using)
+    return done
+
+
+def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> Completion:
+    record = run_row.record
+
+    def outcome(name: str, status: int | None = None, detail: str = "") -> Completion:
+        return Completion(record.pk, record.key, run_row.flow, name, status, detail)
+
+    try:
+        view = get_flow_view(run_row.flow)
+        request = rebuild_request(run_row, record)
+    except (LookupError, ValueError) as exc:
+        logger.error(
+            "completer cannot finish flow %s (record %s): %s", run_row.flow, record.pk, exc
+        )
+        return outcome("unavailable", detail=str(exc))
+    args, kwargs = run_row.request["view_args"]
+    command = Command(
+        owner=record.owner,
+        key=record.key,
+        method=record.method,
+        path=record.path,
+        fingerprint=record.fingerprint,
+    )
+    try:
+        response = run(
+            view, request, command, tuple(args), kwargs, failing=run_row.attempts >= max_attempts
+        )
+    except Exception as exc:  # reported, counted on the run, retried next time
+        logger.exception("completer: flow %s (record %s) raised", run_row.flow, record.pk)
+        return outcome("raised", detail=f"{type(exc).__name__}: {exc}")
+    status = response.status_code
+    if response.get(REPLAYED_HEADER) == "true":
+        return outcome("replayed", status)
+    if status == 409:
+        return outcome("busy", status)
+    state = (
+        FlowRun.objects.using(run_row._state.db)
+        .filter(pk=run_row.pk)
+        .values_list("state", flat=True)
+    )
+    names = {FlowRun.State.COMPLETED.value: "completed", FlowRun.State.FAILED.value: "failed"}
+    return outcome(names.get(str(state.first()), "paused"), status)
+
+
+def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:
+    """The request a flow run was started by, as far as it was stored."""
+    data = run_row.request
+    if not data or data.get("view_args") is None:
+        raise ValueError("the run did not store its request (its URL arguments are not JSON)")
+    meta: dict[str, Any] = {"HTTP_" + conf.HEADER.upper().replace("-", "_"): record.key}
+    if data.get("host"):
+        meta["HTTP_HOST"] = data["host"]
+    request = RequestFactory().generic(
+        data["method"],
+        data["path"],
+        data=base64.b64decode(data["body"]),
+        content_type=data["content_type"] or "application/octet-stream",
+        secure=bool(data["secure"]),
+        **meta,
+    )
+    user: Any = AnonymousUser()
+    if data.get("user") is not None:
+        model = get_user_model()
+        user = model._default_manager.filter(pk=data["user"]).first() or AnonymousUser()
+    request.user = user
+    return request
+
+
+def delete_orphans(using: str | None = None, batch_size: int = 1000) -> int:
+    """Delete runs whose record the purge deleted; returns how many."""
+    alias = using or conf.DATABASE
+    records = IdempotencyRecord.objects.using(alias).filter(pk=OuterRef("record_id"))
+    orphans = list(
+        FlowRun.objects.using(alias)
+        .filter(~Exists(records))
+        .values_list("pk", flat=True)[:batch_size]
+    )
+    if not orphans:
+        return 0
+    deleted, _ = FlowRun.objects.using(alias).filter(pk__in=orphans).delete()
+    return deleted

@@ -1,0 +1,69 @@
+"""``manage.py idempotency_complete``: finish multi-step requests abandoned mid-flow."""
+
+from __future__ import annotations
+
+import json
+from argparse import ArgumentParser, ArgumentTypeError
+from typing import Any
+
+from django.core.management.base import BaseCommand
+
+from django_idempotency.completer import (
+    DEFAULT_LIMIT,
+    DEFAULT_MAX_ATTEMPTS,
+    abandoned,
+    complete_abandoned,
+)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ArgumentTypeError(f"must be a positive integer, not {value}")
+    return value
+
+
+class Command(BaseCommand):
+    help = (
+        "Resume phased requests (@idempotent(phases=True)) whose lease ran out before they "
+        "finished, and store their final response for a late retry. Runs that failed "
+        "--max-attempts times are rolled forward to failure, with their compensations."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--limit", type=_positive_int, default=DEFAULT_LIMIT, metavar="N",
+            help=f"Runs to complete at most (default {DEFAULT_LIMIT}).",
+        )  # fmt: skip
+        parser.add_argument(
+            "--max-attempts", type=_positive_int, default=DEFAULT_MAX_ATTEMPTS, metavar="N",
+            help="Failed runs after which a flow is rolled forward to failure "
+            f"(default {DEFAULT_MAX_ATTEMPTS}).",
+        )  # fmt: skip
+        parser.add_argument(
+            "--dry-run", action="store_true", help="List the abandoned runs; change nothing."
+        )
+        parser.add_argument("--json", action="store_true", help="Print one JSON line per run.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["dry_run"]:
+            for run in abandoned()[: options["limit"]]:
+                self.stdout.write(
+                    f"record {run.record_id} key={run.record.key} flow={run.flow} "
+                    f"at={run.recovery_point or '-'} attempts={run.attempts}"
+                )
+            return
+        completions = complete_abandoned(
+            limit=options["limit"], max_attempts=options["max_attempts"]
+        )
+        for done in completions:
+            if options["json"]:
+                self.stdout.write(json.dumps(done.as_dict()))
+            else:
+                detail = f" ({done.detail})" if done.detail else ""
+                self.stdout.write(
+                    f"record {done.record} key={done.key} flow={done.flow}: {done.outcome} "
+                    f"{done.status or ''}{detail}".rstrip()
+                )
+        if not options["json"]:
+            self.stdout.write(f"{len(completions)} abandoned run(s) handled.")

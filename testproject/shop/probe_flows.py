@@ -1,0 +1,119 @@
+"""Phased views for the test suite (``@idempotent(phases=True)``), and the crash-point hook.
+
+``/probe/flow/`` runs three phases: ``one`` (local, an ``Effect`` named ``flow-one``), ``two``
+(a "foreign" call, counted in :data:`REMOTE_CALLS` in this process and as a committed
+``flow-remote-call`` effect with the call's key as payload) and ``three`` (local,
+``flow-three``). ``/probe/flow-unresumable/`` is the same with ``two`` marked
+``resumable=False``. Headers, which are not part of the fingerprint, so that a retry may differ:
+
+* ``X-Flow-Raise: <phase>`` raises :class:`ProbeError` after that phase; ``X-Flow-Raise:
+  inside-two`` raises inside the foreign call.
+* ``X-Flow-Status: <status>`` answers with that status instead of 201.
+
+The crash-point hook (:func:`crash_at`): with ``PROBE_PID_DIR`` set (the gunicorn tests), a
+request with ``X-Crash-At: <phase>:ran`` (its function returned, nothing committed yet) or
+``<phase>:committed`` SIGKILLs its own worker there, once per key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.dispatch import receiver
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from django_idempotency import idempotent
+from django_idempotency.flows import Flow, phase_committed, phase_ran
+from testproject.shop.models import Effect
+
+REMOTE_CALLS: Counter[str] = Counter()
+
+
+class ProbeError(RuntimeError):
+    pass
+
+
+def _remote(key: str, request: HttpRequest) -> dict[str, Any]:
+    # An "other system": it commits on its own (no transaction is open during a call), so the
+    # gunicorn tests can count calls across processes.
+    Effect.objects.create(name="flow-remote-call", payload=key)
+    REMOTE_CALLS[key] += 1
+    if request.headers.get("X-Flow-Raise") == "inside-two":
+        raise ProbeError("the remote call failed after it started")
+    return {"id": f"ch_{key[:8]}", "calls": REMOTE_CALLS[key]}
+
+
+def _undo(name: str, payload: str) -> Any:
+    return lambda result, key: Effect.objects.create(name=name, payload=payload)
+
+
+def _run(request: HttpRequest, flow: Flow, *, resumable: bool) -> HttpResponse:
+    key = request.headers.get("Idempotency-Key", "")
+    fail = request.headers.get("X-Flow-Raise")
+    one = flow.phase(
+        "one",
+        lambda: Effect.objects.create(name="flow-one", payload=key),
+        compensate=_undo("flow-undo-one", key),
+    )
+    if fail == "one":
+        raise ProbeError("raised after phase one")
+    two = flow.call(
+        "two",
+        lambda call_key: _remote(call_key, request),
+        compensate=_undo("flow-refund-two", key),
+        resumable=resumable,
+    )
+    if fail == "two":
+        raise ProbeError("raised after phase two")
+    three = flow.phase(
+        "three", lambda: {"effect": Effect.objects.create(name="flow-three", payload=key).pk}
+    )
+    if fail == "three":
+        raise ProbeError("raised after phase three")
+    status = int(request.headers.get("X-Flow-Status", 201))
+    body = {"one": one.pk, "two": two, "three": three, "resumed": flow.resumed}
+    return JsonResponse(body, status=status)
+
+
+@csrf_exempt
+@idempotent(phases=True, lease=timedelta(seconds=30))
+def flow_probe(request: HttpRequest, flow: Flow) -> HttpResponse:
+    return _run(request, flow, resumable=True)
+
+
+@csrf_exempt
+@idempotent(phases=True, lease=timedelta(seconds=30))
+def flow_unresumable(request: HttpRequest, flow: Flow) -> HttpResponse:
+    return _run(request, flow, resumable=False)
+
+
+@receiver(phase_ran, dispatch_uid="probe-crash-ran")
+def _crash_when_ran(sender: Any, flow: Flow, phase: str, **kwargs: Any) -> None:
+    crash_at(flow, f"{phase}:ran")
+
+
+@receiver(phase_committed, dispatch_uid="probe-crash-committed")
+def _crash_when_committed(sender: Any, flow: Flow, phase: str, **kwargs: Any) -> None:
+    crash_at(flow, f"{phase}:committed")
+
+
+def crash_at(flow: Flow, point: str) -> None:
+    """SIGKILL this process at ``point`` if the request asks for it, the first time per key."""
+    pid_dir = os.environ.get("PROBE_PID_DIR")
+    headers = getattr(flow.request, "headers", {})
+    if not pid_dir or headers.get("X-Crash-At") != point:
+        return
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", headers.get("Idempotency-Key", ""))
+    marker = Path(pid_dir, f"{safe}.crashed")
+    try:
+        marker.touch(exist_ok=False)
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,154 @@
+"""The completer: it finishes flows whose client never came back, or rolls them forward."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import call_command
+from django.test import Client
+from django.utils import timezone
+
+from django_idempotency.completer import complete_abandoned, delete_orphans
+from django_idempotency.flows import FlowFailed
+from django_idempotency.models import FlowRun, IdempotencyRecord
+from django_idempotency.tasks import complete_flows
+from testproject.shop import probe_flows
+from testproject.shop.probe_flows import REMOTE_CALLS, ProbeError
+from tests.probes import body, effects, post, problem
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+URL = "/probe/flow/"
+
+
+@pytest.fixture
+def client() -> Client:
+    return Client(raise_request_exception=True)
+
+
+@pytest.fixture(autouse=True)
+def _reset_remote_calls() -> Iterator[None]:
+    REMOTE_CALLS.clear()
+    yield
+    REMOTE_CALLS.clear()
+
+
+def abandon(client: Client, after: str, url: str = URL) -> str:
+    """A client sends a request that stops after ``after``, and never retries."""
+    key = str(uuid.uuid4())
+    with pytest.raises(ProbeError):
+        post(client, url, key, data={"ride": 1}, headers={"X-Flow-Raise": after})
+    return key
+
+
+@pytest.mark.parametrize("after", ["one", "two", "three"])
+def test_the_completer_finishes_the_flow_and_a_late_retry_gets_a_replay(
+    client: Client, after: str
+) -> None:
+    key = abandon(client, after)
+    [done] = complete_abandoned()
+    assert (done.key, done.outcome, done.status) == (key, "completed", 201)
+    assert effects("flow-one", key) == effects("flow-three", key) == 1
+    assert sum(REMOTE_CALLS.values()) == 1
+    record = IdempotencyRecord.objects.get(key=key)
+    assert record.state == IdempotencyRecord.State.COMPLETED
+    assert FlowRun.objects.get(record=record).state == FlowRun.State.COMPLETED
+
+    late = post(client, URL, key, data={"ride": 1})
+    assert late.status_code == 201
+    assert late["Idempotent-Replayed"] == "true"
+    assert body(late)["resumed"] is True  # the completer's run, replayed
+    assert complete_abandoned() == []
+
+
+def test_the_completer_leaves_live_leases_alone(client: Client) -> None:
+    key = abandon(client, "one")
+    IdempotencyRecord.objects.filter(key=key).update(
+        locked_until=timezone.now() + timedelta(seconds=30)
+    )
+    assert complete_abandoned() == []
+    assert IdempotencyRecord.objects.get(key=key).state == IdempotencyRecord.State.IN_PROGRESS
+
+
+def test_after_max_attempts_the_flow_rolls_forward_with_its_compensations(
+    client: Client,
+) -> None:
+    key = abandon(client, "two")
+    FlowRun.objects.filter(record__key=key).update(attempts=3)
+    [done] = complete_abandoned(max_attempts=3)
+    assert (done.outcome, done.status) == ("failed", FlowFailed.status)
+    assert effects("flow-refund-two", key) == effects("flow-undo-one", key) == 1
+    assert effects("flow-three", key) == 0
+    late = post(client, URL, key, data={"ride": 1})
+    assert late["Idempotent-Replayed"] == "true"
+    assert problem(late, FlowFailed.status)["compensated"] == ["two", "one"]
+    assert effects("flow-refund-two", key) == effects("flow-undo-one", key) == 1
+
+
+def test_a_view_that_keeps_raising_is_counted_then_rolled_forward(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = abandon(client, "one")
+
+    def broken(call_key: str, request: object) -> dict[str, object]:
+        raise ProbeError("the provider is down")
+
+    # The completer's rebuilt request has no X-Flow-Raise; make the remote call fail instead.
+    monkeypatch.setattr(probe_flows, "_remote", broken)
+    outcomes = [complete_abandoned(max_attempts=3)[0].outcome for _ in range(3)]
+    monkeypatch.undo()
+    assert outcomes == ["raised", "raised", "failed"]
+    run = FlowRun.objects.get(record__key=key)
+    assert run.state == FlowRun.State.FAILED
+    assert run.attempts == 3
+    assert "the provider is down" in run.last_error
+    assert effects("flow-undo-one", key) == 1
+
+
+def test_a_flow_whose_view_is_gone_is_reported_not_lost(client: Client) -> None:
+    key = abandon(client, "one")
+    FlowRun.objects.filter(record__key=key).update(flow="testproject.gone:view")
+    [done] = complete_abandoned()
+    assert done.outcome == "unavailable"
+    assert "cannot be imported" in done.detail
+    assert IdempotencyRecord.objects.get(key=key).state == IdempotencyRecord.State.IN_PROGRESS
+
+
+def test_the_command_and_the_task(client: Client) -> None:
+    first, second = abandon(client, "one"), abandon(client, "three")
+    out = StringIO()
+    call_command("idempotency_complete", "--dry-run", stdout=out)
+    assert f"key={first}" in out.getvalue() and f"key={second}" in out.getvalue()
+    assert IdempotencyRecord.objects.filter(state="in_progress").count() == 2
+
+    out = StringIO()
+    call_command("idempotency_complete", "--json", "--limit", "1", stdout=out)
+    [line] = out.getvalue().splitlines()
+    assert json.loads(line)["outcome"] == "completed"
+    [result] = complete_flows.delay().get()  # eager in the test settings
+    assert result["outcome"] == "completed"
+    assert {result["key"], json.loads(line)["key"]} == {first, second}
+
+
+def test_runs_whose_record_was_purged_are_deleted(client: Client) -> None:
+    key = abandon(client, "one")
+    IdempotencyRecord.objects.filter(key=key).delete()
+    assert FlowRun.objects.count() == 1
+    assert delete_orphans() == 1
+    assert FlowRun.objects.count() == 0
+
+
+def test_the_beat_schedule_of_the_guide_names_the_registered_task() -> None:
+    from django.conf import settings
+
+    from django_idempotency.tasks import COMPLETE_FLOWS_TASK_NAME
+    from testproject.celery import app
+
+    entry = settings.CELERY_BEAT_SCHEDULE["idempotency-complete-flows"]
+    assert entry["task"] == COMPLETE_FLOWS_TASK_NAME
+    assert COMPLETE_FLOWS_TASK_NAME in app.tasks
