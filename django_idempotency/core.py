@@ -384,6 +384,8 @@ class Idempotency:
     def _log(
         self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
     ) -> None:
+        if not logger.isEnabledFor(level):  # nothing is formatted for a level that is off
+            return
         details = "".join(f" {name}={value}" for name, value in extra.items() if value is not None)
         logger.log(
             level,
