@@ -39,6 +39,7 @@ import hashlib
 import json
 import uuid
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -179,7 +180,7 @@ class RecordStore:
     def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
         params = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token, v.lease, v.ttl]
         params.append(advisory_lock_id(v.owner, v.key))
-        with self.connection.cursor() as cursor:
+        with _begin_pipelined(self.connection), self.connection.cursor() as cursor:
             cursor.execute(CLAIM_POSTGRESQL, params)
             got, claimed_id, *row = cursor.fetchone()
         existing = self._existing(row) if row[0] is not None else None
@@ -330,6 +331,37 @@ class RecordStore:
 CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 """The claim on PostgreSQL: a call of the function that migration ``0005_claim_function``
 creates. A short statement to parse, and the function's own plan is cached per session."""
+
+
+def _begin_pipelined(connection: BaseDatabaseWrapper) -> AbstractContextManager[Any]:
+    """psycopg 3: send the transaction's ``BEGIN`` together with the claim, one round trip.
+
+    psycopg sends ``BEGIN`` on its own before the first statement of a transaction and waits
+    for the answer. When the claim is that first statement (the decorator's own
+    ``transaction.atomic``, not a savepoint in an outer one), psycopg's pipeline mode (public
+    API, libpq 14+) sends both at once. Nothing else changes: the same statements, in the same
+    transaction, and only unnamed statements, so it works behind PgBouncer in transaction mode.
+    """
+    raw = connection.connection
+    pipeline = getattr(raw, "pipeline", None)
+    if pipeline is None or raw.autocommit or not _PIPELINE_SUPPORTED:
+        return nullcontext()
+    from psycopg.pq import TransactionStatus
+
+    if raw.info.transaction_status != TransactionStatus.IDLE:
+        return nullcontext()  # already in a transaction: no BEGIN to save
+    return pipeline()  # type: ignore[no-any-return]
+
+
+def _pipeline_supported() -> bool:
+    try:
+        import psycopg
+    except ImportError:
+        return False
+    return bool(psycopg.Pipeline.is_supported())
+
+
+_PIPELINE_SUPPORTED = _pipeline_supported()
 
 
 @dataclass(frozen=True)

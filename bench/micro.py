@@ -1,0 +1,295 @@
+"""In-process microbenchmark: microseconds per request, no HTTP, no load generator.
+
+Each row calls a view of the benchmark project directly with a request built beforehand (so
+building it is not timed), one request after another on one connection:
+
+* ``bare``: the plain view, one autocommit ``INSERT``;
+* ``bare-atomic``: the same view in ``transaction.atomic``;
+* ``app-first``: the view under ``@idempotent`` with a new key each time;
+* ``app-replay``: the same view and one key, already completed (every call is a replay);
+* ``floor-bare``, ``floor-first``, ``floor-replay``: the raw-SQL floor, the same statements as
+  the three rows above sent straight through the driver's own cursor (no Django), on PostgreSQL
+  as prepared statements unless the connection goes through PgBouncer.
+
+The rows alternate in rounds (the order rotates each round), and a ratio is the median of the
+per-round ratios to ``bare``. On 2 shared cores this is far steadier than HTTP, and it shows the
+cost of the library itself. Run in its own process with the benchmark settings::
+
+    BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/idempotency_bench_app \\
+        python -m bench.micro --requests 300 --rounds 7
+
+It prints one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+ROWS = (
+    "bare",
+    "bare-atomic",
+    "app-first",
+    "app-replay",
+    "floor-bare",
+    "floor-first",
+    "floor-replay",
+)
+LABELS = {
+    "bare": "bare view",
+    "bare-atomic": "bare view in transaction.atomic",
+    "app-first": "this app, first execution",
+    "app-replay": "this app, replay",
+    "floor-bare": "raw SQL floor: the bare INSERT",
+    "floor-first": "raw SQL floor: first execution",
+    "floor-replay": "raw SQL floor: replay",
+}
+OWNER = "bench-owner"
+BODY = json.dumps({"amount_cents": 1250}).encode()
+
+
+def _setup() -> None:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.benchproject.settings")
+    os.environ.setdefault("BENCH_VARIANT", "app")
+    django.setup()
+
+
+def _requests(count: int, key: Callable[[int], str | None]) -> list[Any]:
+    from django.test import RequestFactory
+
+    from bench.benchproject.middleware import bench_user
+
+    factory = RequestFactory()
+    user = bench_user()
+    built = []
+    for index in range(count):
+        extra = {}
+        value = key(index)
+        if value is not None:
+            extra["HTTP_IDEMPOTENCY_KEY"] = value
+        request = factory.post("/x/", BODY, content_type="application/json", **extra)
+        request.user = user
+        built.append(request)
+    return built
+
+
+class Floor:
+    """The raw SQL of each path, through the driver's own connection, as fast as it goes."""
+
+    def __init__(self, pooled: bool) -> None:
+        from django.db import connection
+
+        from django_idempotency.store import CLAIM_POSTGRESQL, _statements, advisory_lock_id
+
+        connection.ensure_connection()
+        self.vendor = connection.vendor
+        self.raw = connection.connection  # the DB-API connection Django opened
+        self.lock_id = advisory_lock_id
+        self.claim = CLAIM_POSTGRESQL
+        self.statements = _statements(connection)
+        self.insert = (
+            "INSERT INTO benchproject_effect (name, payload, amount_cents, created_at) "
+            "VALUES (%s, %s, %s, %s)"
+        )
+        self.prepare = self.vendor == "postgresql" and not pooled
+        if self.vendor == "postgresql":
+            import psycopg
+
+            # A server-binding cursor, so that prepare=True really prepares.
+            self.cursor = psycopg.Cursor(self.raw)
+        else:
+            self.cursor = self.raw.cursor()
+        self.replay_key = f"floor-replay-{uuid.uuid4()}"
+
+    def _execute(self, sql: str, params: list[Any]) -> None:
+        if self.vendor == "postgresql":
+            self.cursor.execute(sql, params, prepare=self.prepare)
+        elif self.vendor == "sqlite":
+            self.cursor.execute(sql.replace("%%", "%").replace("%s", "?"), params)
+        else:
+            self.cursor.execute(sql.replace("%%", "%"), params)
+
+    def _begin(self) -> None:
+        if self.vendor == "postgresql":
+            self.raw.autocommit = False  # psycopg sends BEGIN with the next statement
+        else:
+            self.cursor.execute("START TRANSACTION" if self.vendor == "mysql" else "BEGIN")
+
+    def _commit(self) -> None:
+        if self.vendor == "sqlite":
+            self.cursor.execute("COMMIT")
+            return
+        self.raw.commit()
+        if self.vendor == "postgresql":
+            self.raw.autocommit = True
+
+    def _now(self) -> Any:
+        from django.utils import timezone
+
+        now = timezone.now()
+        return now if self.vendor == "postgresql" else now.replace(tzinfo=None).isoformat(" ")
+
+    def bare(self, name: str) -> None:
+        self._execute(self.insert, ["floor-bare", name, 1250, self._now()])
+
+    def first(self, key: str) -> None:
+        self._begin()
+        record_id = self._claim(key)
+        self._execute(self.insert, ["floor-first", key, 1250, self._now()])
+        body = json.dumps({"id": 1, "name": "floor", "amount_cents": 1250}).encode()
+        headers = json.dumps({"Content-Type": "application/json"})
+        token = self._token
+        self._execute(self.statements.complete, [201, headers, body, record_id, token])
+        self._commit()
+
+    def replay(self, key: str) -> None:
+        self._begin()
+        self._claim(key)
+        self._commit()
+
+    def _claim(self, key: str) -> int | None:
+        token = uuid.uuid4()
+        fingerprint = "f" * 64
+        if self.vendor == "postgresql":
+            self._token = token
+            params = [OWNER, key, fingerprint, "POST", "/x/", token, None]
+            params += [_day(), self.lock_id(OWNER, key)]
+            self._execute(self.claim, params)
+            row = self.cursor.fetchone()
+            return int(row[1]) if row[1] is not None else None
+        self._token = token.hex
+        day = "+86400.000000 seconds" if self.vendor == "sqlite" else 86_400_000_000
+        params = [OWNER, key, fingerprint, "POST", "/x/", token.hex, None, day]
+        try:
+            self._execute(self.statements.insert, params)
+        except Exception as exc:  # noqa: BLE001 - the duplicate of a replay, as in the app
+            if not exc.args or exc.args[0] != 1062:
+                raise
+        else:
+            if self.cursor.rowcount == 1:
+                return int(self.cursor.lastrowid)
+        self._execute(self.statements.select, [OWNER, key])
+        row = self.cursor.fetchone()
+        return int(row[0]) if row else None
+
+
+def _day() -> Any:
+    from datetime import timedelta
+
+    return timedelta(days=1)
+
+
+def build_rows(pooled: bool) -> dict[str, tuple[Callable[[Any], Any], str]]:
+    """name -> (call(item), what each call takes: "request-new", "request-replay", "key")."""
+    from django.db import transaction
+
+    from bench.benchproject.views import plain_view
+    from django_idempotency import idempotent
+
+    app = idempotent(plain_view("app"))
+    floor = Floor(pooled)
+    return {
+        "bare": (plain_view("bare"), "request"),
+        "bare-atomic": (transaction.atomic(plain_view("bare-atomic")), "request"),
+        "app-first": (app, "request-new"),
+        "app-replay": (app, "request-replay"),
+        "floor-bare": (floor.bare, "key"),
+        "floor-first": (floor.first, "key"),
+        "floor-replay": (lambda _: floor.replay(floor.replay_key), "key"),
+        "_prime_floor": (lambda _: floor.first(floor.replay_key), "key"),
+    }
+
+
+def run(requests: int, rounds: int, pooled: bool) -> dict[str, Any]:
+    _setup()
+    from django.db import connection
+
+    from bench.benchproject.middleware import StatementCounter
+
+    rows = build_rows(pooled)
+    rows.pop("_prime_floor")[0](None)
+    replay_key = f"micro-replay-{uuid.uuid4()}"
+    prime = _requests(1, lambda i: replay_key)[0]
+    response = rows["app-replay"][0](prime)
+    if response.status_code != 201:
+        raise RuntimeError(f"priming the replay answered {response.status_code}")
+    per_round: dict[str, list[float]] = {name: [] for name in ROWS}
+    statements: dict[str, Counter[str]] = {name: Counter() for name in ROWS}
+
+    def items(kind: str, count: int) -> list[Any]:
+        if kind == "request":
+            return _requests(count, lambda i: None)
+        if kind == "request-new":
+            return _requests(count, lambda i: f"micro-{uuid.uuid4()}")
+        if kind == "request-replay":
+            return _requests(count, lambda i: replay_key)
+        return [f"floor-{uuid.uuid4()}" for _ in range(count)]
+
+    for name in ROWS:  # warm-up: imports, plan caches (PL/pgSQL, prepared statements)
+        call, kind = rows[name]
+        for item in items(kind, 30):
+            call(item)
+    for round_no in range(rounds):
+        shift = round_no % len(ROWS)
+        for name in ROWS[shift:] + ROWS[:shift]:
+            call, kind = rows[name]
+            batch = items(kind, requests)
+            if not name.startswith("floor"):  # statements of the Django rows, untimed
+                with StatementCounter().counting() as counter:
+                    call(batch.pop())
+                statements[name][counter.header] += 1
+            began = time.perf_counter()
+            for item in batch:
+                call(item)
+            elapsed = time.perf_counter() - began
+            per_round[name].append(elapsed / len(batch) * 1e6)
+    out: dict[str, Any] = {
+        "vendor": connection.vendor,
+        "pooled": pooled,
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "rows": [],
+    }
+    for name in ROWS:
+        us = per_round[name]
+        ratios = [a / b for a, b in zip(us, per_round["bare"], strict=True)]
+        entry: dict[str, Any] = {
+            "row": name,
+            "label": LABELS[name],
+            "us_per_request": round(statistics.median(us), 1),
+            "us_rounds": [round(u, 1) for u in us],
+            "ratio_to_bare": round(statistics.median(ratios), 3),
+            "ratio_min": round(min(ratios), 3),
+            "ratio_max": round(max(ratios), 3),
+            "ratio_best_round": round(ratios[us.index(min(us))], 3),
+        }
+        if statements[name]:
+            header = statements[name].most_common(1)[0][0]
+            count, _, commits = header.partition("/")
+            entry["statements"], entry["commits"] = int(count), int(commits)
+        out["rows"].append(entry)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300, help="requests per row per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--pooled", action="store_true", help="the connection goes through PgBouncer"
+    )
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.requests, args.rounds, args.pooled)))
+
+
+if __name__ == "__main__":
+    main()
