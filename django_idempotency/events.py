@@ -287,7 +287,8 @@ def _insert_new(
     if vendor in ("postgresql", "sqlite"):
         cache_key = ("insert_new", vendor, sql, unique)
         if cache_key not in _SQL:
-            _SQL[cache_key] = f"{sql} ON CONFLICT ({_columns(connection, model, unique)}) DO NOTHING"
+            target = _columns(connection, model, unique)
+            _SQL[cache_key] = f"{sql} ON CONFLICT ({target}) DO NOTHING"
         sql = _SQL[cache_key]
         with connection.cursor() as cursor:
             cursor.execute(sql, params)

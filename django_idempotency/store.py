@@ -30,7 +30,8 @@ Storing the response and releasing a record are hand-written statements, built o
 (:func:`_statements`), not ORM queries compiled on every request.
 
 Every time comparison uses the database clock (``STATEMENT_TIMESTAMP()``,
-``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry and leases.
+``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry
+and leases.
 """
 
 from __future__ import annotations
@@ -178,8 +179,8 @@ class RecordStore:
         return ClaimResult(None, None)
 
     def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
-        params = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token, v.lease, v.ttl]
-        params.append(advisory_lock_id(v.owner, v.key))
+        params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
+        params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
         with _begin_pipelined(self.connection), self.connection.cursor() as cursor:
             cursor.execute(CLAIM_POSTGRESQL, params)
             got, claimed_id, *row = cursor.fetchone()
@@ -284,7 +285,7 @@ class RecordStore:
     ) -> None:
         """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record."""
         sql = _statements(self.connection).complete
-        params = [status, json.dumps(headers), body, record_id, self._token(token)]
+        params: list[Any] = [status, json.dumps(headers), body, record_id, self._token(token)]
         with self.connection.cursor() as cursor:
             cursor.execute(sql, params)
             updated = cursor.rowcount
