@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.httpbench import ROWS, run_http, run_race
+from bench.microrun import MICRO_BACKENDS, micro_tables, run_micro
 from bench.servers import (
     REPO,
     RESULTS,
@@ -33,7 +34,8 @@ from bench.servers import (
     variant_env,
 )
 
-SECTIONS = ("http", "race", "consumer", "purge")
+SECTIONS = ("micro", "http", "race", "consumer", "purge")
+CHARTS = REPO / "docs" / "assets" / "benchmarks"
 VARIANTS = ("app", "dik", "drfi", "drfir", "drfik")
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/13")
 HTTP_WORKERS = 4
@@ -234,6 +236,8 @@ def tables(results: dict[str, Any]) -> str:
             f" {m.get('loadavg_at_end', '?')} at end.",
             "",
         ]
+    if results.get("micro"):
+        lines += micro_tables(results["micro"])
     if results.get("http"):
         lines += [
             "### HTTP (gunicorn, PostgreSQL)",
@@ -274,17 +278,18 @@ def tables(results: dict[str, Any]) -> str:
             " one transaction per event)",
             "",
             "| row | events/s | p50 ms | p99 ms | SQL/event | commits/event |"
-            " events/s vs effect alone |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            " events/s vs effect alone | p50 vs effect alone |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in consumer["rows"]:
             if "events_per_s" not in r:
-                lines.append(f"| {r['row']} | error: {r.get('error', '?')} | | | | | |")
+                lines.append(f"| {r['row']} | error: {r.get('error', '?')} | | | | | | |")
                 continue
             lines.append(
                 f"| {r['row']} | {r['events_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |"
                 f" {r['statements']} | {r['commits']} |"
                 f" {_ratio(r.get('ratio_to_effect_alone'))} |"
+                f" {_ratio(r.get('p50_ratio_to_effect_alone'))} |"
             )
         lines.append("")
     purge = results.get("purge")
@@ -373,11 +378,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-requests", type=int, default=50_000, help="per row per round")
     parser.add_argument("--duplicates", type=int, default=16, help="concurrent duplicates")
     parser.add_argument("--events", type=int, default=1000, help="consumer events per round")
+    parser.add_argument(
+        "--micro-backends",
+        default=",".join(MICRO_BACKENDS),
+        help="databases of the in-process section: %(default)s",
+    )
+    parser.add_argument("--micro-requests", type=int, default=300, help="per row per round")
+    parser.add_argument("--micro-rounds", type=int, default=9, help="in-process rounds")
+    parser.add_argument(
+        "--charts",
+        default=str(CHARTS),
+        help="where the SVG charts go (empty: none); default %(default)s",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny run to check it works")
     parser.add_argument("--output", default=str(RESULTS / "results.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.events = 1, 1.0, 0.3, 50
+        args.micro_requests, args.micro_rounds = 20, 1
     return args
 
 
@@ -406,10 +424,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             " --worker-class gthread",
             "duplicates": args.duplicates,
             "consumer_events_per_round": args.events,
+            "micro_requests_per_round": args.micro_requests,
+            "micro_rounds": args.micro_rounds,
         },
         "problems": problems,
     }
     log(f"== machine: {json.dumps(results['machine'])}")
+
+    if "micro" in sections:
+        backends = [b for b in args.micro_backends.split(",") if b]
+        log(f"== in-process: {', '.join(backends)}")
+        results["micro"] = run_micro(
+            backends,
+            requests=args.micro_requests,
+            rounds=args.micro_rounds,
+            problems=problems,
+            log=log,
+        )
 
     needs_servers = {"http", "race"} & set(sections)
     db_variants = variants if needs_servers else (["app"] if "consumer" in sections else [])
@@ -475,6 +506,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.write_text(json.dumps(results, indent=2, default=str) + "\n")
     text = tables(results)
     output.with_suffix(".md").write_text(text + "\n")
+    if args.charts:
+        try:
+            from bench.charts import render
+
+            for chart in render(results, Path(args.charts)):
+                log(f"== chart {chart}")
+        except ImportError as exc:  # matplotlib is in the bench extra
+            problems.append(f"no charts: {exc}")
     print()
     print(text)
     log(f"== wrote {output} and {output.with_suffix('.md')} in {results['seconds']}s")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import run
+from bench import micro, microrun, run
 from bench.loadgen import Target, race, run_load
 
 pytestmark = pytest.mark.sqlite  # no database of the suite is used; once per run is enough
@@ -103,6 +103,49 @@ def test_consumer_benchmark_runs(tmp_path: Path) -> None:
     for name, row in rows.items():
         assert "error" not in row, (name, row)
         assert row["statements"] >= 1, (name, row)
+
+
+def test_micro_benchmark_runs_every_row(tmp_path: Path) -> None:
+    env = bench_env(tmp_path)
+    run_python(["-m", "bench.benchproject.prepare"], env)
+
+    result = json.loads(
+        run_python(["-m", "bench.micro", "--requests", "3", "--rounds", "2"], env).splitlines()[-1]
+    )
+
+    rows = {row["row"]: row for row in result["rows"]}
+    assert list(rows) == list(micro.ROWS)
+    for name, row in rows.items():
+        assert row["us_per_request"] > 0, (name, row)
+        assert len(row["us_rounds"]) == 2, (name, row)
+    assert rows["bare"]["ratio_to_bare"] == 1.0
+    # The statements each path sends (SQLite counts Django's BEGIN as one): the app adds two
+    # on a first execution (claim, store) and a replay reads the stored response.
+    assert rows["bare"]["statements"] == 1
+    assert rows["app-first"]["statements"] == rows["bare-atomic"]["statements"] + 2
+    assert rows["floor-first"]["statements"] == 3
+    table = "\n".join(microrun.micro_tables([{**result, "backend": "sqlite"}]))
+    assert "| this app, first execution |" in table
+
+
+def test_charts_render_svg(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from bench import charts
+
+    row = {
+        "row": "app-first",
+        "label": "this app, first execution",
+        "ratio_to_bare": 2.0,
+        "ratio_min": 1.8,
+        "ratio_max": 2.4,
+        "statements": 3,
+    }
+    bare = {**row, "row": "bare", "label": "bare view", "ratio_to_bare": 1.0, "statements": 1}
+    written = charts.render({"micro": [{"backend": "sqlite", "rows": [bare, row]}]}, tmp_path)
+
+    assert [path.name for path in written] == ["micro-sqlite.svg"]
+    svg = written[0].read_text()
+    assert svg.startswith("<?xml") and "this app, first execution" in svg
 
 
 class Handler(BaseHTTPRequestHandler):
