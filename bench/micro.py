@@ -191,7 +191,9 @@ def _day() -> Any:
     return timedelta(days=1)
 
 
-def build_rows(pooled: bool) -> tuple[dict[str, tuple[Callable[[Any], Any], str]], Floor]:
+def build_rows(
+    pooled: bool, names: tuple[str, ...] = ROWS
+) -> tuple[dict[str, tuple[Callable[[Any], Any], str]], Floor | None]:
     """name -> (call(item), what each call takes: "request-new", "request-replay", "key")."""
     from django.db import transaction
 
@@ -199,34 +201,36 @@ def build_rows(pooled: bool) -> tuple[dict[str, tuple[Callable[[Any], Any], str]
     from django_idempotency import idempotent
 
     app = idempotent(plain_view("app"))
-    floor = Floor(pooled)
-    return {
+    rows: dict[str, tuple[Callable[[Any], Any], str]] = {
         "bare": (plain_view("bare"), "request"),
         "bare-atomic": (transaction.atomic(plain_view("bare-atomic")), "request"),
         "app-first": (app, "request-new"),
         "app-replay": (app, "request-replay"),
-        "floor-bare": (floor.bare, "key"),
-        "floor-first": (floor.first, "key"),
-        "floor-replay": (lambda _: floor.replay(floor.replay_key), "key"),
-        "_prime_floor": (lambda _: floor.first(floor.replay_key), "key"),
-    }, floor
+    }
+    if not any(name.startswith("floor") for name in names):
+        return rows, None  # e.g. an older version of the app, without the floor's statements
+    floor = Floor(pooled)
+    rows["floor-bare"] = (floor.bare, "key")
+    rows["floor-first"] = (floor.first, "key")
+    rows["floor-replay"] = (lambda _: floor.replay(floor.replay_key), "key")
+    floor.first(floor.replay_key)  # the record every floor replay reads
+    return rows, floor
 
 
-def run(requests: int, rounds: int, pooled: bool) -> dict[str, Any]:
+def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS) -> dict[str, Any]:
     _setup()
     from django.db import connection
 
     from bench.benchproject.middleware import StatementCounter
 
-    rows, floor = build_rows(pooled)
-    rows.pop("_prime_floor")[0](None)
+    rows, floor = build_rows(pooled, names)
     replay_key = f"micro-replay-{uuid.uuid4()}"
     prime = _requests(1, lambda i: replay_key)[0]
     response = rows["app-replay"][0](prime)
     if response.status_code != 201:
         raise RuntimeError(f"priming the replay answered {response.status_code}")
-    per_round: dict[str, list[float]] = {name: [] for name in ROWS}
-    statements: dict[str, Counter[str]] = {name: Counter() for name in ROWS}
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    statements: dict[str, Counter[str]] = {name: Counter() for name in names}
 
     def items(kind: str, count: int) -> list[Any]:
         if kind == "request":
@@ -237,20 +241,20 @@ def run(requests: int, rounds: int, pooled: bool) -> dict[str, Any]:
             return _requests(count, lambda i: replay_key)
         return [f"floor-{uuid.uuid4()}" for _ in range(count)]
 
-    for name in ROWS:  # warm-up: imports, plan caches (PL/pgSQL, prepared statements)
+    for name in names:  # warm-up: imports, plan caches (PL/pgSQL, prepared statements)
         call, kind = rows[name]
         for item in items(kind, 30):
             call(item)
     for round_no in range(rounds):
-        shift = round_no % len(ROWS)
-        for name in ROWS[shift:] + ROWS[:shift]:
+        shift = round_no % len(names)
+        for name in names[shift:] + names[:shift]:
             call, kind = rows[name]
             batch = items(kind, requests)
             if not name.startswith("floor"):  # statements of the Django rows, untimed
                 with StatementCounter().counting() as counter:
                     call(batch.pop())
                 statements[name][counter.header] += 1
-            else:
+            elif floor is not None:
                 floor.statements_sent = 0
                 call(batch.pop())
                 commits = 0 if name == "floor-bare" else 1
@@ -267,7 +271,7 @@ def run(requests: int, rounds: int, pooled: bool) -> dict[str, Any]:
         "rounds": rounds,
         "rows": [],
     }
-    for name in ROWS:
+    for name in names:
         us = per_round[name]
         ratios = [a / b for a, b in zip(us, per_round["bare"], strict=True)]
         entry: dict[str, Any] = {
@@ -297,8 +301,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pooled", action="store_true", help="the connection goes through PgBouncer"
     )
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help="rows to run (bare first): %(default)s"
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(run(args.requests, args.rounds, args.pooled)))
+    names = tuple(name for name in args.rows.split(",") if name)
+    unknown = set(names) - set(ROWS)
+    if unknown or not names or names[0] != "bare":
+        parser.error(f"--rows must start with bare and name only {', '.join(ROWS)}")
+    print(json.dumps(run(args.requests, args.rounds, args.pooled, names)))
 
 
 if __name__ == "__main__":
