@@ -4,6 +4,7 @@ works there without prepared statements (its plan is cached inside the server se
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import psycopg
 import pytest
@@ -16,7 +17,7 @@ from tests.probes import effects, post
 pytestmark = [pytest.mark.postgres, pytest.mark.pooler]
 
 
-def admin_console(command: str) -> list[tuple[object, ...]]:
+def admin_console(command: str) -> list[dict[str, Any]]:
     """A command on PgBouncer's admin console (the `pgbouncer` database on the same port)."""
     settings = connection.settings_dict
     with psycopg.connect(
@@ -29,15 +30,15 @@ def admin_console(command: str) -> list[tuple[object, ...]]:
         cursor = console.cursor()
         cursor.execute(command)  # the console takes no parameters, nor prepared statements
         names = [column.name for column in cursor.description or ()]
-        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]  # type: ignore[misc]
+        return [dict(zip(names, row, strict=True)) for row in cursor.fetchall()]
 
 
 @pytest.mark.skipif(not PGBOUNCER, reason="PGBOUNCER=1 is the pass through PgBouncer")
 @pytest.mark.django_db
 def test_the_pass_goes_through_pgbouncer_in_transaction_mode() -> None:
-    config = {row["key"]: row["value"] for row in admin_console("SHOW CONFIG")}  # type: ignore[index]
+    config = {row["key"]: row["value"] for row in admin_console("SHOW CONFIG")}
     assert config["pool_mode"] == "transaction"
-    pools = {row["database"] for row in admin_console("SHOW POOLS")}  # type: ignore[index]
+    pools = {row["database"] for row in admin_console("SHOW POOLS")}
     assert connection.settings_dict["NAME"] in pools
 
 
