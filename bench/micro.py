@@ -11,9 +11,10 @@ building it is not timed), one request after another on one connection:
   the three rows above sent straight through the driver's own cursor (no Django), on PostgreSQL
   as prepared statements unless the connection goes through PgBouncer.
 
-The rows alternate in rounds (the order rotates each round), and a ratio is the median of the
-per-round ratios to ``bare``. On 2 shared cores this is far steadier than HTTP, and it shows the
-cost of the library itself. Run in its own process with the benchmark settings::
+The rows take turns request by request (the order rotates each round), so that outside load
+hits every row alike, and a ratio is the median of the per-round ratios to ``bare``. On 2
+shared cores this is far steadier than HTTP, and it shows the cost of the library itself.
+Run in its own process with the benchmark settings::
 
     BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/idempotency_bench_app \\
         python -m bench.micro --requests 300 --rounds 7
@@ -245,11 +246,14 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
         call, kind = rows[name]
         for item in items(kind, 30):
             call(item)
+    perf_counter = time.perf_counter
     for round_no in range(rounds):
         shift = round_no % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        batches = {}
+        for name in order:
             call, kind = rows[name]
-            batch = items(kind, requests)
+            batches[name] = batch = items(kind, requests)
             if not name.startswith("floor"):  # statements of the Django rows, untimed
                 with StatementCounter().counting() as counter:
                     call(batch.pop())
@@ -259,11 +263,18 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
                 call(batch.pop())
                 commits = 0 if name == "floor-bare" else 1
                 statements[name][f"{floor.statements_sent}/{commits}"] += 1
-            began = time.perf_counter()
-            for item in batch:
+        # Request by request, the rows take turns: a burst of outside load (2 shared cores)
+        # then hits every row alike, instead of whichever row ran at that moment.
+        spent = dict.fromkeys(order, 0.0)
+        for index in range(requests - 1):
+            for name in order:
+                call = rows[name][0]
+                item = batches[name][index]
+                began = perf_counter()
                 call(item)
-            elapsed = time.perf_counter() - began
-            per_round[name].append(elapsed / len(batch) * 1e6)
+                spent[name] += perf_counter() - began
+        for name in order:
+            per_round[name].append(spent[name] / (requests - 1) * 1e6)
     out: dict[str, Any] = {
         "vendor": connection.vendor,
         "pooled": pooled,
@@ -305,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
         "--rows", default=",".join(ROWS), help="rows to run (bare first): %(default)s"
     )
     args = parser.parse_args(argv)
+    if args.requests < 2:
+        parser.error("--requests must be at least 2 (one call per row counts statements)")
     names = tuple(name for name in args.rows.split(",") if name)
     unknown = set(names) - set(ROWS)
     if unknown or not names or names[0] != "bare":
