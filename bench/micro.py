@@ -186,6 +186,29 @@ class Floor:
         return int(row[0]) if row else None
 
 
+def _no_cpu() -> int:
+    return 0
+
+
+def _backend_cpu_reader(connection: Any, pooled: bool) -> Callable[[], int]:
+    """Nanoseconds of CPU the PostgreSQL backend of ``connection`` has used, when it runs on
+    this machine and the connection is direct (through a pooler the backend changes)."""
+    if connection.vendor != "postgresql" or pooled:
+        return _no_cpu
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    path = f"/proc/{pid}/schedstat"
+    if not os.path.exists(path):
+        return _no_cpu
+
+    def read() -> int:
+        with open(path, "rb") as stat:
+            return int(stat.read().split()[0])
+
+    return read
+
+
 def _day() -> Any:
     from datetime import timedelta
 
@@ -246,7 +269,9 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
         call, kind = rows[name]
         for item in items(kind, 30):
             call(item)
-    perf_counter = time.perf_counter
+    perf_counter, thread_time = time.perf_counter, time.thread_time
+    backend_cpu = _backend_cpu_reader(connection, pooled)
+    cpu_rounds: dict[str, list[float]] = {name: [] for name in names}
     for round_no in range(rounds):
         shift = round_no % len(names)
         order = names[shift:] + names[:shift]
@@ -266,16 +291,24 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
         # Request by request, the rows take turns: a burst of outside load (2 shared cores)
         # then hits every row alike, instead of whichever row ran at that moment.
         spent = dict.fromkeys(order, 0.0)
+        client = dict.fromkeys(order, 0.0)
+        server = dict.fromkeys(order, 0)
         for index in range(requests - 1):
             for name in order:
                 call = rows[name][0]
                 item = batches[name][index]
+                before = backend_cpu()
+                cpu = thread_time()
                 began = perf_counter()
                 call(item)
                 spent[name] += perf_counter() - began
+                client[name] += thread_time() - cpu
+                server[name] += backend_cpu() - before
         for name in order:
             per_round[name].append(spent[name] / (requests - 1) * 1e6)
+            cpu_rounds[name].append((client[name] * 1e6 + server[name] / 1e3) / (requests - 1))
     out: dict[str, Any] = {
+        "cpu_measured": "client+server" if backend_cpu is not _no_cpu else "client",
         "vendor": connection.vendor,
         "pooled": pooled,
         "requests_per_round": requests,
@@ -296,6 +329,16 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
             # Each row's fastest round against the bare view's fastest: the least disturbed
             # figure on a shared machine.
             "best_ratio": round(min(us) / min(per_round["bare"]), 3),
+            # CPU time per request: this process, plus the PostgreSQL backend (read from
+            # /proc/<pid>/schedstat, same machine, direct connection). Waiting (for a core, a
+            # round trip, a WAL flush) is not in it, so it barely moves with outside load.
+            "cpu_us_per_request": round(statistics.median(cpu_rounds[name]), 1),
+            "cpu_ratio_to_bare": round(
+                statistics.median(
+                    a / b for a, b in zip(cpu_rounds[name], cpu_rounds["bare"], strict=True)
+                ),
+                3,
+            ),
         }
         if statements[name]:
             header = statements[name].most_common(1)[0][0]

@@ -128,13 +128,16 @@ def micro_tables(results: list[dict[str, Any]]) -> list[str]:
             f" row per round, {result['rounds']} rounds)",
             "",
             "| row | µs/request | vs bare view (median) | rounds' spread | best rounds |"
+            f" CPU µs/request ({result.get('cpu_measured', 'client')}) | CPU vs bare |"
             " SQL/req | commits/req |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for row in result["rows"]:
             lines.append(
                 f"| {row['label']} | {row['us_per_request']:.0f} | {row['ratio_to_bare']:.2f}x |"
                 f" {row['ratio_min']:.2f}-{row['ratio_max']:.2f}x | {row['best_ratio']:.2f}x |"
+                f" {row.get('cpu_us_per_request', 0):.0f} |"
+                f" {row.get('cpu_ratio_to_bare', 0):.2f}x |"
                 f" {row.get('statements', '')} | {row.get('commits', '')} |"
             )
         lines.append("")
