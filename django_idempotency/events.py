@@ -65,7 +65,6 @@ from django_idempotency import signals
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import EventParked, MissingEventId
 from django_idempotency.models import EventDelivery, ProcessedEvent
-from django_idempotency.store import begin_pipelined
 
 __all__ = [
     "EventId",
@@ -292,9 +291,7 @@ def _insert_new(
             _SQL[cache_key] = f"{sql} ON CONFLICT ({target}) DO NOTHING"
         sql = _SQL[cache_key]
         with connection.cursor() as cursor:
-            # PostgreSQL: the transaction's BEGIN goes with this insert when it comes first.
-            with begin_pipelined(connection):
-                cursor.execute(sql, params)
+            cursor.execute(sql, params)
             return bool(cursor.rowcount == 1)
     if vendor == "mysql":
         try:

@@ -39,8 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -181,7 +180,7 @@ class RecordStore:
     def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
         params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
-        with begin_pipelined(self.connection), self.connection.cursor() as cursor:
+        with self.connection.cursor() as cursor:
             cursor.execute(CLAIM_POSTGRESQL, params)
             got, claimed_id, *row = cursor.fetchone()
         existing = self._existing(row) if row[0] is not None else None
@@ -332,42 +331,6 @@ class RecordStore:
 CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 """The claim on PostgreSQL: a call of the function that migration ``0005_claim_function``
 creates. A short statement to parse, and the function's own plan is cached per session."""
-
-
-@contextmanager
-def begin_pipelined(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """psycopg 3: send the transaction's ``BEGIN`` together with the next statement.
-
-    psycopg sends ``BEGIN`` on its own before the first statement of a transaction and waits
-    for the answer. When the claim (or an event's reservation) is that first statement (the
-    decorator's own ``transaction.atomic``, not a savepoint in an outer one), psycopg's pipeline
-    mode (public API, libpq 14+) sends both at once: one round trip less. Nothing else changes:
-    the same statements in the same transaction, only unnamed statements, so it works behind
-    PgBouncer in transaction mode. Errors that the pipeline reports when it ends are turned into
-    Django's exceptions, as the cursor does.
-    """
-    raw = connection.connection if connection.vendor == "postgresql" else None
-    if raw is None or raw.autocommit or not _PIPELINE_SUPPORTED:
-        yield
-        return
-    from psycopg.pq import TransactionStatus
-
-    if raw.info.transaction_status != TransactionStatus.IDLE:
-        yield  # already in a transaction: no BEGIN to save
-        return
-    with connection.wrap_database_errors, raw.pipeline():
-        yield
-
-
-def _pipeline_supported() -> bool:
-    try:
-        import psycopg
-    except ImportError:
-        return False
-    return bool(psycopg.Pipeline.is_supported())
-
-
-_PIPELINE_SUPPORTED = _pipeline_supported()
 
 
 @dataclass(frozen=True)
