@@ -177,6 +177,13 @@ def run(events: int, rounds: int) -> dict[str, Any]:
                 entry["ratio_to_effect_alone"] = round(
                     statistics.median(a["events_per_s"] / b["events_per_s"] for a, b in pairs), 3
                 )
+                entry["p50_ratio_to_effect_alone"] = round(
+                    statistics.median(
+                        a["p50_ms"] / b["p50_ms"]
+                        for a, b in zip(per_round[name], alone, strict=True)
+                    ),
+                    3,
+                )
         out_rows.append(entry)
     return {"events_per_round": events, "rounds": rounds, "rows": out_rows}
 

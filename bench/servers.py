@@ -60,9 +60,14 @@ def variant_env(variant: str, database: str, **extra: str) -> dict[str, str]:
 
 def prepare(variant: str, database: str) -> None:
     """Migrate the variant's database and create its user (in a subprocess: its own settings)."""
+    prepare_url(database_url(database), variant)
+
+
+def prepare_url(url: str, variant: str = "app") -> None:
+    """Migrate the database at ``url`` (any backend) for ``variant`` and create its user."""
     done = subprocess.run(
         [sys.executable, "-m", "bench.benchproject.prepare"],
-        env=variant_env(variant, database),
+        env=variant_env(variant, "", BENCH_DATABASE_URL=url),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -385,6 +385,8 @@ class Idempotency:
     def _log(
         self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
     ) -> None:
+        if not logger.isEnabledFor(level):  # nothing is formatted for a level that is off
+            return
         details = "".join(f" {name}={value}" for name, value in extra.items() if value is not None)
         owner = display_owner(command.owner)  # never a credential-derived value in full
         logger.log(

@@ -219,16 +219,27 @@ def _insert_sql(
     """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters.
 
     ``values`` are keyed by model field name; ``raw`` by column name, for columns the model does
-    not declare (the partition key), with values the driver takes as they are.
+    not declare (the partition key), with values the driver takes as they are. The SQL text is
+    built once per backend, model and column list, then reused (:data:`_SQL`).
     """
-    quote = connection.ops.quote_name
-    fields = [_field(model, name) for name in values]
     raw = raw or {}
-    columns = ", ".join([*(quote(field.column) for field in fields), *map(quote, raw)])
-    placeholders = ", ".join(["%s"] * (len(fields) + len(raw)))
+    cache_key = ("insert", connection.vendor, model, tuple(values), tuple(raw))
+    cached = _SQL.get(cache_key)
+    if cached is None:
+        quote = connection.ops.quote_name
+        fields = tuple(_field(model, name) for name in values)
+        columns = ", ".join([*(quote(field.column) for field in fields), *map(quote, raw)])
+        placeholders = ", ".join(["%s"] * (len(fields) + len(raw)))
+        text = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})"
+        cached = _SQL[cache_key] = (text, fields)
+    sql, fields = cached
     params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
     params.extend(raw.values())
-    return f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})", params
+    return sql, params
+
+
+_SQL: dict[tuple[Any, ...], Any] = {}
+"""Built SQL text (and the fields it binds), keyed by what it depends on; never by a value."""
 
 
 def _columns(connection: BaseDatabaseWrapper, model: type[Model], names: tuple[str, ...]) -> str:
@@ -256,7 +267,11 @@ def _insert_new(
     sql, params = _insert_sql(connection, model, values, raw)
     vendor = connection.vendor
     if vendor in ("postgresql", "sqlite"):
-        sql += f" ON CONFLICT ({_columns(connection, model, unique)}) DO NOTHING"
+        cache_key = ("insert_new", vendor, sql, unique)
+        if cache_key not in _SQL:
+            target = _columns(connection, model, unique)
+            _SQL[cache_key] = f"{sql} ON CONFLICT ({target}) DO NOTHING"
+        sql = _SQL[cache_key]
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return bool(cursor.rowcount == 1)
@@ -307,7 +322,9 @@ def count_delivery(
 
     Call it before the business transaction opens: the count must survive a process that dies
     inside the business transaction. Inside an outer ``atomic`` block it joins that block (see the
-    module notes). One upsert (plus one ``SELECT`` on MySQL/MariaDB).
+    module notes). One upsert (plus one ``SELECT`` on MySQL/MariaDB). On PostgreSQL and SQLite,
+    outside a transaction, the upsert runs in autocommit: one statement that commits itself, as
+    durable as a transaction of its own and without its ``BEGIN`` and ``COMMIT`` round trips.
     """
     event = normalize_event_id(event_id)
     name = checked_name("consumer name", consumer)
@@ -325,8 +342,12 @@ def count_delivery(
         "last_error": "",
         "expires_at": now + _ttl(ttl),
     }
-    with transaction.atomic(using=alias):
-        count, parked = _upsert_delivery(connection, values)
+    if connection.vendor in ("postgresql", "sqlite") and not connection.in_atomic_block:
+        count, parked = _upsert_delivery(connection, values)  # one autocommit statement
+    else:
+        # MySQL/MariaDB read the count back in a second statement, in the same transaction.
+        with transaction.atomic(using=alias):
+            count, parked = _upsert_delivery(connection, values)
     return Delivery(name, event, topic_value, count, parked)
 
 
@@ -334,39 +355,19 @@ def _upsert_delivery(
     connection: BaseDatabaseWrapper, values: Mapping[str, Any]
 ) -> tuple[int, bool]:
     model = EventDelivery
-    quote = connection.ops.quote_name
-    table = quote(model._meta.db_table)
-
-    def column(name: str) -> str:
-        return quote(_field(model, name).column)
-
-    deliveries, parked_at = column("deliveries"), column("parked_at")
-    last, expires = column("last_delivered_at"), column("expires_at")
     sql, params = _insert_sql(connection, model, values)
     vendor = connection.vendor
+    upsert, select = _delivery_sql(connection, sql)
     with connection.cursor() as cursor:
         if vendor in ("postgresql", "sqlite"):
-            target = _columns(connection, model, ("consumer", "event_id"))
-            cursor.execute(
-                f"{sql} ON CONFLICT ({target}) DO UPDATE SET "
-                f"{deliveries} = {table}.{deliveries} + 1, "
-                f"{last} = excluded.{last}, {expires} = excluded.{expires} "
-                f"RETURNING {deliveries}, {parked_at}",
-                params,
-            )
+            cursor.execute(upsert, params)
             count, parked = cursor.fetchone()
         elif vendor == "mysql":
             prepared = dict(zip(values, params, strict=True))
             cursor.execute(
-                f"{sql} ON DUPLICATE KEY UPDATE {deliveries} = {deliveries} + 1, "
-                f"{last} = %s, {expires} = %s",
-                [*params, prepared["last_delivered_at"], prepared["expires_at"]],
+                upsert, [*params, prepared["last_delivered_at"], prepared["expires_at"]]
             )
-            cursor.execute(
-                f"SELECT {deliveries}, {parked_at} FROM {table} "
-                f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s",
-                [prepared["consumer"], prepared["event_id"]],
-            )
+            cursor.execute(select, [prepared["consumer"], prepared["event_id"]])
             count, parked = cursor.fetchone()
         else:
             raise NotSupportedError(
@@ -376,6 +377,43 @@ def _upsert_delivery(
     # parked_at is tested here, not in SQL: SQLite 3.40 answers "parked_at IS NOT NULL" wrongly
     # (true for a NULL) in the RETURNING clause of an upsert.
     return int(count), parked is not None
+
+
+def _delivery_sql(connection: BaseDatabaseWrapper, insert: str) -> tuple[str, str]:
+    """The delivery upsert (and MySQL's read-back), built once per backend and insert text."""
+    cache_key = ("delivery", connection.vendor, insert)
+    cached = _SQL.get(cache_key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    model = EventDelivery
+    quote = connection.ops.quote_name
+    table = quote(model._meta.db_table)
+
+    def column(name: str) -> str:
+        return quote(_field(model, name).column)
+
+    deliveries, parked_at = column("deliveries"), column("parked_at")
+    last, expires = column("last_delivered_at"), column("expires_at")
+    select = ""
+    if connection.vendor == "mysql":
+        upsert = (
+            f"{insert} ON DUPLICATE KEY UPDATE {deliveries} = {deliveries} + 1, "
+            f"{last} = %s, {expires} = %s"
+        )
+        select = (
+            f"SELECT {deliveries}, {parked_at} FROM {table} "
+            f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s"
+        )
+    else:
+        target = _columns(connection, model, ("consumer", "event_id"))
+        upsert = (
+            f"{insert} ON CONFLICT ({target}) DO UPDATE SET "
+            f"{deliveries} = {table}.{deliveries} + 1, "
+            f"{last} = excluded.{last}, {expires} = excluded.{expires} "
+            f"RETURNING {deliveries}, {parked_at}"
+        )
+    _SQL[cache_key] = (upsert, select)
+    return upsert, select
 
 
 def _park(delivery: Delivery, using: str) -> bool:

@@ -11,7 +11,10 @@ PostgreSQL
     statement. A request that finds a completed row takes no lock at all. A plain ``INSERT``
     would block on an uncommitted duplicate until its transaction ends; the advisory lock
     answers "someone is running this key right now" at once, and the database drops it when
-    that transaction commits, rolls back, or its process dies.
+    that transaction commits, rolls back, or its process dies. The statement lives in the
+    PL/pgSQL function ``django_idempotency_claim_v1`` (migration ``0005_claim_function``): the
+    request sends a short call, and PostgreSQL keeps the function's plan for the session, which
+    also holds behind PgBouncer in transaction pooling mode (no prepared statement is used).
 MariaDB / MySQL
     ``SET STATEMENT innodb_lock_wait_timeout=0 FOR INSERT ...``: an uncommitted duplicate makes
     the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
@@ -23,8 +26,12 @@ SQLite
     for the database lock (the connection's ``timeout``) and then sees the committed row; if
     the timeout runs out first, ``database is locked`` is answered as "in progress".
 
-Every time comparison uses the database clock (:class:`~django_idempotency.managers.DatabaseNow`
-and its SQL equivalents), so app servers with skewed clocks agree on expiry and leases.
+Storing the response and releasing a record are hand-written statements, built once per backend
+(:func:`_statements`), not ORM queries compiled on every request.
+
+Every time comparison uses the database clock (``STATEMENT_TIMESTAMP()``,
+``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry
+and leases.
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ from django.db import (
 from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.exceptions import StaleClaim
-from django_idempotency.managers import DatabaseNow
 from django_idempotency.models import IdempotencyRecord
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
@@ -172,59 +178,10 @@ class RecordStore:
         return ClaimResult(None, None)
 
     def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
-        t = self._table()
-        sql = f"""
-            WITH existing AS (
-                SELECT {", ".join(COLUMNS)},
-                       expires_at <= statement_timestamp() AS expired,
-                       (state = '{IN_PROGRESS}' AND locked_until > statement_timestamp())
-                           AS lease_live
-                FROM {t} WHERE owner = %(owner)s AND "key" = %(key)s
-            ),
-            lock AS (
-                SELECT pg_try_advisory_xact_lock(%(lock_id)s) AS got
-                WHERE NOT EXISTS (
-                    SELECT 1 FROM existing WHERE state = '{COMPLETED}' AND NOT expired
-                )
-            ),
-            claimed AS (
-                INSERT INTO {t} (owner, "key", fingerprint, method, path, state, token,
-                                 locked_until, response_headers, created_at, expires_at)
-                SELECT %(owner)s, %(key)s, %(fingerprint)s, %(method)s, %(path)s,
-                       '{IN_PROGRESS}', %(token)s,
-                       statement_timestamp() + %(lease)s::interval, '{{}}'::jsonb,
-                       statement_timestamp(), statement_timestamp() + %(ttl)s::interval
-                FROM lock WHERE lock.got
-                ON CONFLICT (owner, "key") DO UPDATE SET
-                    fingerprint = EXCLUDED.fingerprint, method = EXCLUDED.method,
-                    path = EXCLUDED.path, state = EXCLUDED.state, token = EXCLUDED.token,
-                    locked_until = EXCLUDED.locked_until, response_status = NULL,
-                    response_headers = EXCLUDED.response_headers, response_body = NULL,
-                    created_at = EXCLUDED.created_at, completed_at = NULL,
-                    expires_at = EXCLUDED.expires_at
-                WHERE NOT ({t}.state = '{IN_PROGRESS}'
-                           AND {t}.locked_until > EXCLUDED.created_at)
-                  AND ({t}.expires_at <= EXCLUDED.created_at
-                       OR ({t}.state = '{IN_PROGRESS}'
-                           AND {t}.fingerprint = EXCLUDED.fingerprint))
-                RETURNING id
-            )
-            SELECT (SELECT got FROM lock), (SELECT id FROM claimed), existing.*
-            FROM (SELECT 1) AS one LEFT JOIN existing ON true
-        """
-        params: dict[str, Any] = {
-            "owner": v.owner,
-            "key": v.key,
-            "fingerprint": v.fingerprint,
-            "method": v.method,
-            "path": v.path,
-            "token": v.token,
-            "lease": v.lease,
-            "ttl": v.ttl,
-            "lock_id": advisory_lock_id(v.owner, v.key),
-        }
+        params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
+        params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
         with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(CLAIM_POSTGRESQL, params)
             got, claimed_id, *row = cursor.fetchone()
         existing = self._existing(row) if row[0] is not None else None
         if claimed_id is not None:
@@ -236,20 +193,12 @@ class RecordStore:
         return ClaimResult(None, existing)
 
     def _claim_mysql(self, v: _ClaimValues) -> ClaimResult | None:
-        t = self._table()
-        now = "UTC_TIMESTAMP(6)"
-        insert = f"""
-            SET STATEMENT innodb_lock_wait_timeout=0 FOR
-            INSERT INTO {t} (owner, `key`, fingerprint, method, path, state, token, locked_until,
-                             response_headers, created_at, expires_at)
-            VALUES (%s, %s, %s, %s, %s, '{IN_PROGRESS}', %s, {now} + INTERVAL %s MICROSECOND,
-                    '{{}}', {now}, {now} + INTERVAL %s MICROSECOND)
-        """
+        sql = _statements(self.connection)
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
         params += [_microseconds(v.lease), _microseconds(v.ttl)]
         with self.connection.cursor() as cursor:
             try:
-                cursor.execute(insert, params)
+                cursor.execute(sql.insert, params)
                 return ClaimResult(cursor.lastrowid, None)
             except (IntegrityError, OperationalError) as exc:
                 code = _mysql_errno(exc)
@@ -258,14 +207,8 @@ class RecordStore:
                     return ClaimResult(None, None)
                 if code != ER_DUP_ENTRY:
                     raise
-            select = f"""
-                SET STATEMENT innodb_lock_wait_timeout=0 FOR
-                SELECT {", ".join(COLUMNS)}, expires_at <= {now},
-                       (state = '{IN_PROGRESS}' AND locked_until > {now})
-                FROM {t} WHERE owner = %s AND `key` = %s LOCK IN SHARE MODE
-            """
             try:
-                cursor.execute(select, [v.owner, v.key])
+                cursor.execute(sql.select, [v.owner, v.key])
             except OperationalError as exc:
                 code = _mysql_errno(exc)
                 if code not in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
@@ -284,34 +227,19 @@ class RecordStore:
             self.connection.needs_rollback = self.connection.in_atomic_block
 
     def _claim_sqlite(self, v: _ClaimValues) -> ClaimResult | None:
-        t = self._table()
-        now = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')"
-        later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)"
-        insert = f"""
-            INSERT INTO {t} (owner, "key", fingerprint, method, path, state, token, locked_until,
-                             response_headers, created_at, expires_at)
-            VALUES (%s, %s, %s, %s, %s, '{IN_PROGRESS}', %s, {later}, '{{}}', {now}, {later})
-            ON CONFLICT (owner, "key") DO NOTHING
-        """
+        sql = _statements(self.connection)
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
         params += [_sqlite_modifier(v.lease), _sqlite_modifier(v.ttl)]
         with self.connection.cursor() as cursor:
             try:
-                cursor.execute(insert, params)
+                cursor.execute(sql.insert, params)
             except OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
                 return ClaimResult(None, None)
             if cursor.rowcount == 1:
                 return ClaimResult(cursor.lastrowid, None)
-            cursor.execute(
-                f"""
-                SELECT {", ".join(COLUMNS)}, expires_at <= {now},
-                       (state = '{IN_PROGRESS}' AND locked_until > {now})
-                FROM {t} WHERE owner = %s AND "key" = %s
-                """,
-                [v.owner, v.key],
-            )
+            cursor.execute(sql.select, [v.owner, v.key])
             row = cursor.fetchone()
         if row is None:
             return None
@@ -324,52 +252,24 @@ class RecordStore:
             or (existing.state == IN_PROGRESS and existing.fingerprint == v.fingerprint)
         ):
             return ClaimResult(None, existing)
-        taken = (
-            self._records()
-            .filter(pk=existing.id, token=existing.token)
-            .update(
-                fingerprint=v.fingerprint,
-                method=v.method,
-                path=v.path,
-                state=IN_PROGRESS,
-                token=v.token,
-                locked_until=None if v.lease is None else DatabaseNow() + v.lease,
-                response_status=None,
-                response_headers={},
-                response_body=None,
-                created_at=DatabaseNow(),
-                completed_at=None,
-                expires_at=DatabaseNow() + v.ttl,
-            )
-            if self.connection.vendor != "mysql"
-            else self._update_mysql_nowait(v, existing)
-        )
-        return ClaimResult(existing.id if taken else None, existing)
-
-    def _update_mysql_nowait(self, v: _ClaimValues, existing: Existing) -> int:
-        t = self._table()
-        now = "UTC_TIMESTAMP(6)"
-        sql = f"""
-            SET STATEMENT innodb_lock_wait_timeout=0 FOR
-            UPDATE {t} SET fingerprint = %s, method = %s, path = %s, state = '{IN_PROGRESS}',
-                token = %s, locked_until = {now} + INTERVAL %s MICROSECOND,
-                response_status = NULL, response_headers = '{{}}', response_body = NULL,
-                created_at = {now}, completed_at = NULL,
-                expires_at = {now} + INTERVAL %s MICROSECOND
-            WHERE id = %s AND token = %s
-        """
-        params: list[Any] = [v.fingerprint, v.method, v.path, v.token.hex, _microseconds(v.lease)]
-        params += [_microseconds(v.ttl), existing.id, existing.token.hex]
+        mysql = self.connection.vendor == "mysql"
+        params: list[Any] = [v.fingerprint, v.method, v.path, v.token.hex]
+        if mysql:
+            params += [_microseconds(v.lease), _microseconds(v.ttl)]
+        else:
+            params += [_sqlite_modifier(v.lease), _sqlite_modifier(v.ttl)]
+        params += [existing.id, existing.token.hex]
         with self.connection.cursor() as cursor:
             try:
-                cursor.execute(sql, params)
+                cursor.execute(_statements(self.connection).take_over, params)
             except OperationalError as exc:
-                code = _mysql_errno(exc)
+                code = _mysql_errno(exc) if mysql else None
                 if code not in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
                     raise
                 self._after_mysql_lock_error(code)
-                return 0
-            return int(cursor.rowcount)
+                return ClaimResult(None, existing)
+            taken = cursor.rowcount == 1
+        return ClaimResult(existing.id if taken else None, existing)
 
     # -- complete and release ---------------------------------------------------------------
 
@@ -383,18 +283,11 @@ class RecordStore:
         body: bytes | None,
     ) -> None:
         """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record."""
-        updated = (
-            self._records()
-            .filter(pk=record_id, token=token, state=IN_PROGRESS)
-            .update(
-                state=COMPLETED,
-                locked_until=None,
-                response_status=status,
-                response_headers=headers,
-                response_body=body,
-                completed_at=DatabaseNow(),
-            )
-        )
+        sql = _statements(self.connection).complete
+        params: list[Any] = [status, json.dumps(headers), body, record_id, self._token(token)]
+        with self.connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            updated = cursor.rowcount
         if updated != 1:
             raise StaleClaim(
                 f"Record {record_id} is no longer held by token {token}: its lease ran out and "
@@ -403,7 +296,9 @@ class RecordStore:
 
     def release(self, record_id: int, token: uuid.UUID) -> None:
         """Delete an unfinished record so a retry executes afresh; checks ``token`` likewise."""
-        deleted, _ = self._records().filter(pk=record_id, token=token, state=IN_PROGRESS).delete()
+        with self.connection.cursor() as cursor:
+            cursor.execute(_statements(self.connection).release, [record_id, self._token(token)])
+            deleted = cursor.rowcount
         if deleted != 1:
             raise StaleClaim(
                 f"Record {record_id} is no longer held by token {token}; it was not released."
@@ -411,11 +306,9 @@ class RecordStore:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _records(self) -> Any:
-        return IdempotencyRecord._default_manager.db_manager(self.using).all()
-
-    def _table(self) -> str:
-        return self.connection.ops.quote_name(IdempotencyRecord._meta.db_table)
+    def _token(self, token: uuid.UUID) -> uuid.UUID | str:
+        """A token as the driver takes it: native on PostgreSQL, 32 hex digits elsewhere."""
+        return token if self.connection.vendor == "postgresql" else token.hex
 
     @staticmethod
     def _existing(row: Sequence[Any]) -> Existing:
@@ -433,6 +326,89 @@ class RecordStore:
             expired=bool(expired),
             lease_live=bool(lease_live),
         )
+
+
+CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+"""The claim on PostgreSQL: a call of the function that migration ``0005_claim_function``
+creates. A short statement to parse, and the function's own plan is cached per session."""
+
+
+@dataclass(frozen=True)
+class _Statements:
+    """The hand-written SQL of one backend, built once per vendor (see :func:`_statements`)."""
+
+    complete: str
+    release: str
+    insert: str = ""
+    select: str = ""
+    take_over: str = ""
+
+
+_STATEMENTS: dict[str, _Statements] = {}
+
+
+def _statements(connection: BaseDatabaseWrapper) -> _Statements:
+    """The statements for ``connection``'s backend, built on first use and then reused.
+
+    The ORM's ``filter().update()`` compiles its query on every call; this is the same SQL
+    written once. Every time comes from the database clock.
+    """
+    vendor = connection.vendor
+    cached = _STATEMENTS.get(vendor)
+    if cached is None:
+        cached = _STATEMENTS[vendor] = _build_statements(connection)
+    return cached
+
+
+def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
+    quote = connection.ops.quote_name
+    t = quote(IdempotencyRecord._meta.db_table)
+    k = quote("key")
+    vendor = connection.vendor
+    if vendor == "postgresql":
+        now, headers, later = "STATEMENT_TIMESTAMP()", "%s::jsonb", ""
+    elif vendor == "mysql":
+        now, headers = "UTC_TIMESTAMP(6)", "%s"
+        later = f"{now} + INTERVAL %s MICROSECOND"
+    elif vendor == "sqlite":
+        now, headers = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now')", "%s"
+        later = "STRFTIME('%%Y-%%m-%%d %%H:%%M:%%f', 'now', %s)"
+    else:
+        raise NotSupportedError(
+            f"django-idempotency supports PostgreSQL, MariaDB/MySQL and SQLite, not {vendor!r}."
+        )
+    complete = (
+        f"UPDATE {t} SET state = '{COMPLETED}', locked_until = NULL, response_status = %s, "
+        f"response_headers = {headers}, response_body = %s, completed_at = {now} "
+        f"WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
+    )
+    release = f"DELETE FROM {t} WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
+    if vendor == "postgresql":
+        return _Statements(complete, release)
+    # MariaDB: never wait on another transaction's row lock (see the module docstring).
+    nowait = "SET STATEMENT innodb_lock_wait_timeout=0 FOR " if vendor == "mysql" else ""
+    insert = (
+        f"{nowait}INSERT INTO {t} (owner, {k}, fingerprint, method, path, state, token, "
+        f"locked_until, response_headers, created_at, expires_at) "
+        f"VALUES (%s, %s, %s, %s, %s, '{IN_PROGRESS}', %s, {later}, '{{}}', {now}, {later})"
+    )
+    if vendor == "sqlite":
+        insert += f" ON CONFLICT (owner, {k}) DO NOTHING"
+    select = (
+        f"{nowait}SELECT {', '.join(COLUMNS)}, expires_at <= {now}, "
+        f"(state = '{IN_PROGRESS}' AND locked_until > {now}) "
+        f"FROM {t} WHERE owner = %s AND {k} = %s"
+    )
+    if vendor == "mysql":
+        # A locking read sees the latest committed row even under REPEATABLE READ.
+        select += " LOCK IN SHARE MODE"
+    take_over = (
+        f"{nowait}UPDATE {t} SET fingerprint = %s, method = %s, path = %s, "
+        f"state = '{IN_PROGRESS}', token = %s, locked_until = {later}, response_status = NULL, "
+        f"response_headers = '{{}}', response_body = NULL, created_at = {now}, "
+        f"completed_at = NULL, expires_at = {later} WHERE id = %s AND token = %s"
+    )
+    return _Statements(complete, release, insert, select, take_over)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ fi
 stamp="$venv/.installed"
 want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "== installing django-idempotency[bench,postgres] (editable) and the competitors into $venv"
-  "$venv/bin/python" -m pip install -q -e ".[bench,postgres]" 2> >(grep -v "is ignored" >&2)
+  echo "== installing django-idempotency[bench,postgres,mysql] (editable) and the competitors into $venv"
+  "$venv/bin/python" -m pip install -q -e ".[bench,postgres,mysql]" 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi
 

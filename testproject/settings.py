@@ -12,6 +12,10 @@ Configured from the environment with django-environ:
 * ``TASKS_BACKEND``: the default Django Tasks backend. ``immediate`` (the default) runs a task
   when it is enqueued, in the same process; ``database`` stores it for ``manage.py db_worker``
   (needs django-tasks-db). The ``database`` alias exists whenever django-tasks-db is installed.
+
+* ``PGBOUNCER=1``: ``DATABASE_URL`` points at PgBouncer in transaction pooling mode
+  (``scripts/pgbouncer.sh``); the test database is dropped after its server connections are
+  closed (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -84,6 +88,11 @@ if _default_db["ENGINE"] == "django.db.backends.sqlite3":
     _default_db.setdefault("OPTIONS", {}).update({"timeout": 20})
 else:
     _default_db["TEST"] = {"NAME": f"test_idempotency{TEST_DB_SUFFIX}"}
+if env.bool("PGBOUNCER", default=False):
+    # Behind PgBouncer in transaction pooling mode (the `pooler` test pass): a server-side
+    # cursor would outlive the transaction that declared it (Django's docs on transaction
+    # pooling). Prepared statements stay off: Django leaves psycopg's prepare_threshold unset.
+    _default_db["DISABLE_SERVER_SIDE_CURSORS"] = True
 if _default_db["ENGINE"] == "django.db.backends.mysql":
     _default_db.setdefault("OPTIONS", {}).update(
         {"charset": "utf8mb4", "isolation_level": "read committed"}

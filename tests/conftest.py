@@ -17,6 +17,12 @@ from django.db import connection
 from tests.services import BROKER_URLS, reachable
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+PGBOUNCER = os.environ.get("PGBOUNCER") == "1"
+#: The PostgreSQL server behind PgBouncer, reached directly to close the pooler's server
+#: connections to the test database (a DROP DATABASE fails while they are open).
+PGBOUNCER_DIRECT_URL = os.environ.get(
+    "PGBOUNCER_DIRECT_URL", "postgres://postgres@127.0.0.1:5432/postgres"
+)
 UNREACHABLE = "SERVICE UNREACHABLE"
 VENDOR_MARKS = {"postgres": "postgresql", "mysql": "mysql", "sqlite": "sqlite"}
 
@@ -33,6 +39,46 @@ def require_service(name: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sqlite: runs only in the SQLite pass")
+
+
+def close_pooled_server_connections() -> None:
+    """PGBOUNCER=1: end PgBouncer's server connections to the test database, directly.
+
+    PgBouncer keeps server connections open after its clients leave, so Django's ``DROP
+    DATABASE`` of the test database (at the end of the run, or of a leftover one at the start)
+    would fail with "database is being accessed by other users". The pooler notices the closed
+    connections and opens new ones when a client needs them.
+    """
+    import psycopg
+    from django.conf import settings
+
+    name = settings.DATABASES["default"]["TEST"]["NAME"]
+    with psycopg.connect(PGBOUNCER_DIRECT_URL, autocommit=True) as direct:
+        direct.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = %s AND pid <> pg_backend_pid()",
+            [name],
+        )
+
+
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None) -> Iterator[None]:
+    """pytest-django's test database; behind PgBouncer, its pooled connections are closed
+    before the test database is created and before it is dropped."""
+    yield
+    if PGBOUNCER:
+        from django.db import connections
+
+        connections.close_all()
+        close_pooled_server_connections()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if PGBOUNCER:
+        import django
+
+        django.setup()
+        close_pooled_server_connections()  # a leftover test database from an earlier run
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -16,7 +16,7 @@ import pytest
 from django.conf import settings
 from django.contrib.admin.sites import site
 from django.db import connection
-from django.test import Client
+from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 from django.utils import timezone
@@ -478,9 +478,10 @@ def test_purge_that_runs_out_of_time_says_more_remain(
     for number in range(3):
         make_record(f"expired-{number}", expires_in=timedelta(seconds=-1))
     monkeypatch.setattr(idem_admin, "ADMIN_PURGE_SECONDS", 1e-9)
-    monkeypatch.setitem(settings.IDEMPOTENCY, "PURGE_BATCH_SIZE", 1)
     url = reverse("admin:django_idempotency_idempotencyrecord_purge_expired")
-    content = admin_client.post(url, follow=True).content.decode()
+    # override_settings, not an in-place change: settings are cached until setting_changed.
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "PURGE_BATCH_SIZE": 1}):
+        content = admin_client.post(url, follow=True).content.decode()
     assert "Purged 1 expired idempotency record." in content
     assert "More expired idempotency records remain" in content
     assert IdempotencyRecord.objects.count() == 2

@@ -251,6 +251,7 @@ def test_mysql_errno_reads_the_driver_code() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
 def test_racing_threads_reserve_exactly_once(threads: Threads) -> None:
     event_id = str(new_event_id())
@@ -275,6 +276,7 @@ def test_racing_threads_reserve_exactly_once(threads: Threads) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("first_commits", [True, False], ids=["commit", "rollback"])
 def test_second_reservation_waits_for_the_first_outcome(
@@ -517,6 +519,7 @@ def test_max_deliveries_must_be_positive(limit: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.pooler
 @pytest.mark.postgres
 @pytest.mark.mysql
 @pytest.mark.django_db(transaction=True)

@@ -25,7 +25,7 @@ from testproject.shop.models import Effect
 from tests.probes import effects
 from tests.servers import Gunicorn, Reply, gunicorn
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.pooler, pytest.mark.django_db(transaction=True)]
 
 RETRY_DEADLINE = 20.0
 

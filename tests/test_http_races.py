@@ -22,7 +22,7 @@ from django_idempotency.models import IdempotencyRecord
 from tests.probes import effects
 from tests.servers import Gunicorn, Reply, gunicorn
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.pooler, pytest.mark.django_db(transaction=True)]
 
 THREADS = 16
 URL = "/probe/effect/"

@@ -25,6 +25,8 @@ from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError
 from tests.probes import effects, in_thread, post, problem
 
+pytestmark = pytest.mark.pooler
+
 URL = "/probe/lease/"
 PATH = "/charge"
 

@@ -7,6 +7,7 @@ Environment:
   ``postgres://postgres@127.0.0.1:5432/idempotency_bench_app`` (the runner sets it) or
   ``sqlite:////tmp/bench.sqlite3`` (the smoke test).
 * ``BENCH_REDIS_URL``: Redis for django-idempotency-key (default ``redis://127.0.0.1:6379/13``).
+* ``BENCH_PGBOUNCER=1``: ``BENCH_DATABASE_URL`` goes through PgBouncer (transaction pooling).
 
 Every variant gets the same middleware in front (statement counting, then a fixed user), the same
 view body and the same database settings, so the only difference between two rows is the library.
@@ -55,6 +56,14 @@ if DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3":
     DATABASES["default"]["CONN_MAX_AGE"] = 600
 else:
     DATABASES["default"].setdefault("OPTIONS", {}).update({"timeout": 20})
+if DATABASES["default"]["ENGINE"] == "django.db.backends.mysql":
+    # The app's documented MariaDB settings (docs/installation.md).
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {"charset": "utf8mb4", "isolation_level": "read committed"}
+    )
+if os.environ.get("BENCH_PGBOUNCER") == "1":
+    # Behind PgBouncer in transaction pooling mode, as Django's docs require.
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": ["bench.benchproject.middleware.BenchAuthentication"],

@@ -1,0 +1,372 @@
+"""In-process microbenchmark: microseconds per request, no HTTP, no load generator.
+
+Each row calls a view of the benchmark project directly with a request built beforehand (so
+building it is not timed), one request after another on one connection:
+
+* ``bare``: the plain view, one autocommit ``INSERT``;
+* ``bare-atomic``: the same view in ``transaction.atomic``;
+* ``app-first``: the view under ``@idempotent`` with a new key each time;
+* ``app-replay``: the same view and one key, already completed (every call is a replay);
+* ``floor-bare``, ``floor-first``, ``floor-replay``: the raw-SQL floor, the same statements as
+  the three rows above sent straight through the driver's own cursor (no Django), on PostgreSQL
+  as prepared statements unless the connection goes through PgBouncer.
+
+The rows take turns request by request (the order rotates each round), so that outside load
+hits every row alike, and a ratio is the median of the per-round ratios to ``bare``. On 2
+shared cores this is far steadier than HTTP, and it shows the cost of the library itself.
+Run in its own process with the benchmark settings::
+
+    BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/idempotency_bench_app \\
+        python -m bench.micro --requests 300 --rounds 7
+
+It prints one JSON document on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+ROWS = (
+    "bare",
+    "bare-atomic",
+    "app-first",
+    "app-replay",
+    "floor-bare",
+    "floor-first",
+    "floor-replay",
+)
+LABELS = {
+    "bare": "bare view",
+    "bare-atomic": "bare view in transaction.atomic",
+    "app-first": "this app, first execution",
+    "app-replay": "this app, replay",
+    "floor-bare": "raw SQL floor: the bare INSERT",
+    "floor-first": "raw SQL floor: first execution",
+    "floor-replay": "raw SQL floor: replay",
+}
+OWNER = "bench-owner"
+BODY = json.dumps({"amount_cents": 1250}).encode()
+
+
+def _setup() -> None:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.benchproject.settings")
+    os.environ.setdefault("BENCH_VARIANT", "app")
+    django.setup()
+
+
+def _requests(count: int, key: Callable[[int], str | None]) -> list[Any]:
+    from django.test import RequestFactory
+
+    from bench.benchproject.middleware import bench_user
+
+    factory = RequestFactory()
+    user = bench_user()
+    built = []
+    for index in range(count):
+        extra = {}
+        value = key(index)
+        if value is not None:
+            extra["HTTP_IDEMPOTENCY_KEY"] = value
+        request = factory.post("/x/", BODY, content_type="application/json", **extra)
+        request.user = user
+        built.append(request)
+    return built
+
+
+class Floor:
+    """The raw SQL of each path, through the driver's own connection, as fast as it goes."""
+
+    def __init__(self, pooled: bool) -> None:
+        from django.db import connection
+
+        from django_idempotency.store import CLAIM_POSTGRESQL, _statements, advisory_lock_id
+
+        connection.ensure_connection()
+        self.vendor = connection.vendor
+        self.raw = connection.connection  # the DB-API connection Django opened
+        self.lock_id = advisory_lock_id
+        self.claim = CLAIM_POSTGRESQL
+        self.statements = _statements(connection)
+        self.insert = (
+            "INSERT INTO benchproject_effect (name, payload, amount_cents, created_at) "
+            "VALUES (%s, %s, %s, %s)"
+        )
+        self.prepare = self.vendor == "postgresql" and not pooled
+        if self.vendor == "postgresql":
+            import psycopg
+
+            # A server-binding cursor, so that prepare=True really prepares.
+            self.cursor = psycopg.Cursor(self.raw)
+        else:
+            self.cursor = self.raw.cursor()
+        self.replay_key = f"floor-replay-{uuid.uuid4()}"
+        self.statements_sent = 0
+        """Statements sent (not BEGIN or COMMIT), as the Django rows count them."""
+
+    def _execute(self, sql: str, params: list[Any]) -> None:
+        self.statements_sent += 1
+        if self.vendor == "postgresql":
+            self.cursor.execute(sql, params, prepare=self.prepare)
+        elif self.vendor == "sqlite":
+            self.cursor.execute(sql.replace("%%", "%").replace("%s", "?"), params)
+        else:
+            self.cursor.execute(sql.replace("%%", "%"), params)
+
+    def _begin(self) -> None:
+        if self.vendor == "postgresql":
+            self.raw.autocommit = False  # psycopg sends BEGIN with the next statement
+        else:
+            self.cursor.execute("START TRANSACTION" if self.vendor == "mysql" else "BEGIN")
+
+    def _commit(self) -> None:
+        if self.vendor == "sqlite":
+            self.cursor.execute("COMMIT")
+            return
+        self.raw.commit()
+        if self.vendor == "postgresql":
+            self.raw.autocommit = True
+
+    def _now(self) -> Any:
+        from django.utils import timezone
+
+        now = timezone.now()
+        return now if self.vendor == "postgresql" else now.replace(tzinfo=None).isoformat(" ")
+
+    def bare(self, name: str) -> None:
+        self._execute(self.insert, ["floor-bare", name, 1250, self._now()])
+
+    def first(self, key: str) -> None:
+        self._begin()
+        record_id = self._claim(key)
+        self._execute(self.insert, ["floor-first", key, 1250, self._now()])
+        body = json.dumps({"id": 1, "name": "floor", "amount_cents": 1250}).encode()
+        headers = json.dumps({"Content-Type": "application/json"})
+        token = self._token
+        self._execute(self.statements.complete, [201, headers, body, record_id, token])
+        self._commit()
+
+    def replay(self, key: str) -> None:
+        self._begin()
+        self._claim(key)
+        self._commit()
+
+    def _claim(self, key: str) -> int | None:
+        token = uuid.uuid4()
+        fingerprint = "f" * 64
+        if self.vendor == "postgresql":
+            self._token = token
+            params = [OWNER, key, fingerprint, "POST", "/x/", token, None]
+            params += [_day(), self.lock_id(OWNER, key)]
+            self._execute(self.claim, params)
+            row = self.cursor.fetchone()
+            return int(row[1]) if row[1] is not None else None
+        self._token = token.hex
+        day = "+86400.000000 seconds" if self.vendor == "sqlite" else 86_400_000_000
+        params = [OWNER, key, fingerprint, "POST", "/x/", token.hex, None, day]
+        try:
+            self._execute(self.statements.insert, params)
+        except Exception as exc:
+            if not exc.args or exc.args[0] != 1062:
+                raise
+        else:
+            if self.cursor.rowcount == 1:
+                return int(self.cursor.lastrowid)
+        self._execute(self.statements.select, [OWNER, key])
+        row = self.cursor.fetchone()
+        return int(row[0]) if row else None
+
+
+def _no_cpu() -> int:
+    return 0
+
+
+def _backend_cpu_reader(connection: Any, pooled: bool) -> Callable[[], int]:
+    """Nanoseconds of CPU the PostgreSQL backend of ``connection`` has used, when it runs on
+    this machine and the connection is direct (through a pooler the backend changes)."""
+    if connection.vendor != "postgresql" or pooled:
+        return _no_cpu
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        (pid,) = cursor.fetchone()
+    path = f"/proc/{pid}/schedstat"
+    if not os.path.exists(path):
+        return _no_cpu
+
+    def read() -> int:
+        with open(path, "rb") as stat:
+            return int(stat.read().split()[0])
+
+    return read
+
+
+def _day() -> Any:
+    from datetime import timedelta
+
+    return timedelta(days=1)
+
+
+def build_rows(
+    pooled: bool, names: tuple[str, ...] = ROWS
+) -> tuple[dict[str, tuple[Callable[[Any], Any], str]], Floor | None]:
+    """name -> (call(item), what each call takes: "request-new", "request-replay", "key")."""
+    from django.db import transaction
+
+    from bench.benchproject.views import plain_view
+    from django_idempotency import idempotent
+
+    app = idempotent(plain_view("app"))
+    rows: dict[str, tuple[Callable[[Any], Any], str]] = {
+        "bare": (plain_view("bare"), "request"),
+        "bare-atomic": (transaction.atomic(plain_view("bare-atomic")), "request"),
+        "app-first": (app, "request-new"),
+        "app-replay": (app, "request-replay"),
+    }
+    if not any(name.startswith("floor") for name in names):
+        return rows, None  # e.g. an older version of the app, without the floor's statements
+    floor = Floor(pooled)
+    rows["floor-bare"] = (floor.bare, "key")
+    rows["floor-first"] = (floor.first, "key")
+    rows["floor-replay"] = (lambda _: floor.replay(floor.replay_key), "key")
+    floor.first(floor.replay_key)  # the record every floor replay reads
+    return rows, floor
+
+
+def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS) -> dict[str, Any]:
+    _setup()
+    from django.db import connection
+
+    from bench.benchproject.middleware import StatementCounter
+
+    rows, floor = build_rows(pooled, names)
+    replay_key = f"micro-replay-{uuid.uuid4()}"
+    prime = _requests(1, lambda i: replay_key)[0]
+    response = rows["app-replay"][0](prime)
+    if response.status_code != 201:
+        raise RuntimeError(f"priming the replay answered {response.status_code}")
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    statements: dict[str, Counter[str]] = {name: Counter() for name in names}
+
+    def items(kind: str, count: int) -> list[Any]:
+        if kind == "request":
+            return _requests(count, lambda i: None)
+        if kind == "request-new":
+            return _requests(count, lambda i: f"micro-{uuid.uuid4()}")
+        if kind == "request-replay":
+            return _requests(count, lambda i: replay_key)
+        return [f"floor-{uuid.uuid4()}" for _ in range(count)]
+
+    for name in names:  # warm-up: imports, plan caches (PL/pgSQL, prepared statements)
+        call, kind = rows[name]
+        for item in items(kind, 30):
+            call(item)
+    perf_counter, thread_time = time.perf_counter, time.thread_time
+    backend_cpu = _backend_cpu_reader(connection, pooled)
+    cpu_rounds: dict[str, list[float]] = {name: [] for name in names}
+    for round_no in range(rounds):
+        shift = round_no % len(names)
+        order = names[shift:] + names[:shift]
+        batches = {}
+        for name in order:
+            call, kind = rows[name]
+            batches[name] = batch = items(kind, requests)
+            if not name.startswith("floor"):  # statements of the Django rows, untimed
+                with StatementCounter().counting() as counter:
+                    call(batch.pop())
+                statements[name][counter.header] += 1
+            elif floor is not None:
+                floor.statements_sent = 0
+                call(batch.pop())
+                commits = 0 if name == "floor-bare" else 1
+                statements[name][f"{floor.statements_sent}/{commits}"] += 1
+        # Request by request, the rows take turns: a burst of outside load (2 shared cores)
+        # then hits every row alike, instead of whichever row ran at that moment.
+        spent = dict.fromkeys(order, 0.0)
+        client = dict.fromkeys(order, 0.0)
+        server = dict.fromkeys(order, 0)
+        for index in range(requests - 1):
+            for name in order:
+                call = rows[name][0]
+                item = batches[name][index]
+                before = backend_cpu()
+                cpu = thread_time()
+                began = perf_counter()
+                call(item)
+                spent[name] += perf_counter() - began
+                client[name] += thread_time() - cpu
+                server[name] += backend_cpu() - before
+        for name in order:
+            per_round[name].append(spent[name] / (requests - 1) * 1e6)
+            cpu_rounds[name].append((client[name] * 1e6 + server[name] / 1e3) / (requests - 1))
+    out: dict[str, Any] = {
+        "cpu_measured": "client+server" if backend_cpu is not _no_cpu else "client",
+        "vendor": connection.vendor,
+        "pooled": pooled,
+        "requests_per_round": requests,
+        "rounds": rounds,
+        "rows": [],
+    }
+    for name in names:
+        us = per_round[name]
+        ratios = [a / b for a, b in zip(us, per_round["bare"], strict=True)]
+        entry: dict[str, Any] = {
+            "row": name,
+            "label": LABELS[name],
+            "us_per_request": round(statistics.median(us), 1),
+            "us_rounds": [round(u, 1) for u in us],
+            "ratio_to_bare": round(statistics.median(ratios), 3),
+            "ratio_min": round(min(ratios), 3),
+            "ratio_max": round(max(ratios), 3),
+            # Each row's fastest round against the bare view's fastest: the least disturbed
+            # figure on a shared machine.
+            "best_ratio": round(min(us) / min(per_round["bare"]), 3),
+            # CPU time per request: this process, plus the PostgreSQL backend (read from
+            # /proc/<pid>/schedstat, same machine, direct connection). Waiting (for a core, a
+            # round trip, a WAL flush) is not in it, so it barely moves with outside load.
+            "cpu_us_per_request": round(statistics.median(cpu_rounds[name]), 1),
+            "cpu_ratio_to_bare": round(
+                statistics.median(
+                    a / b for a, b in zip(cpu_rounds[name], cpu_rounds["bare"], strict=True)
+                ),
+                3,
+            ),
+        }
+        if statements[name]:
+            header = statements[name].most_common(1)[0][0]
+            count, _, commits = header.partition("/")
+            entry["statements"], entry["commits"] = int(count), int(commits)
+        out["rows"].append(entry)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=300, help="requests per row per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--pooled", action="store_true", help="the connection goes through PgBouncer"
+    )
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help="rows to run (bare first): %(default)s"
+    )
+    args = parser.parse_args(argv)
+    if args.requests < 2:
+        parser.error("--requests must be at least 2 (one call per row counts statements)")
+    names = tuple(name for name in args.rows.split(",") if name)
+    unknown = set(names) - set(ROWS)
+    if unknown or not names or names[0] != "bare":
+        parser.error(f"--rows must start with bare and name only {', '.join(ROWS)}")
+    print(json.dumps(run(args.requests, args.rounds, args.pooled, names)))
+
+
+if __name__ == "__main__":
+    main()
