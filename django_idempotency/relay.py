@@ -404,8 +404,9 @@ def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
                 raise
             cursor.execute("COMMIT")
         return
+    outermost = not connection.in_atomic_block
     with transaction.atomic(using=connection.alias):
-        if connection.vendor == "mysql":
+        if connection.vendor == "mysql" and outermost:
             # No gap locks: under REPEATABLE READ, the claim's locking read would block
             # producers inserting new messages until it commits.
             with connection.cursor() as cursor:
