@@ -178,6 +178,9 @@ class CeleryTransport:
     message survives a Redis restart only with ``appendonly yes``. Publishing never retries
     inside the transport (``retry=False``): the relay retries with backoff.
 
+    With ``task_always_eager`` (tests, a demo without a broker) and no ``broker_url``, the task
+    runs in the relay's process instead, and its exception counts as a failed send.
+
     :param app: the Celery app or its dotted path; default the current app. Task routes and
         serializer come from it.
     :param broker_url: publish to this broker instead of the app's.
@@ -255,8 +258,20 @@ class CeleryTransport:
                 "has no {'args', 'kwargs'} payload; write it with outbox.publish()."
             )
         options = dict(payload.get("options") or {})
+        app = self.app
+        if self.broker_url is None and app.conf.task_always_eager:
+            # No broker (tests, a demo): run the task here and now, as delay() would; its
+            # exception counts as a failed send.
+            app.tasks[message.destination].apply(
+                args=list(payload["args"]),
+                kwargs=dict(payload["kwargs"]),
+                task_id=message.event_id,
+                headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                throw=True,
+            )
+            return
         producer = self._open()
-        self.app.send_task(
+        app.send_task(
             message.destination,
             args=list(payload["args"]),
             kwargs=dict(payload["kwargs"]),
