@@ -12,9 +12,10 @@ Three sections, each measured side by side in one run:
    with ``outbox.publish`` (one more row in the transaction). Rows alternate round by round;
    time per transaction and statements per transaction.
 2. **relay throughput**: ``Relay.drain()`` over N pending messages, through a transport that
-   acknowledges at once (the database's share alone), through Celery to Redis, and through Celery
-   to RabbitMQ with publisher confirms; and the Celery transports alone on the same messages
-   (the broker's share alone). Messages per second.
+   acknowledges at once (the database's share alone), through Celery to Redis (one pipeline per
+   batch), and to RabbitMQ with publisher confirms (one round trip per message) or with one AMQP
+   transaction per batch; and the Celery transports alone on the same messages, in the same
+   batches (the broker's share alone). Messages per second.
 3. **latency**: a relay process and a Celery worker; a producer commits messages at a steady
    rate; the time from each COMMIT to its effect's row, p50 and p99, with NOTIFY (PostgreSQL)
    and with polling alone (one-second poll), against ``apply_async_on_commit``.
@@ -198,16 +199,19 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
     from testproject.celery import app
 
     results: dict[str, Any] = {}
-    rows: list[tuple[str, str | None]] = [
-        ("relay, null transport (database only)", None),
-        ("relay, Celery to Redis", REDIS),
-        ("relay, Celery to RabbitMQ (confirms)", RABBITMQ),
+    rows: list[tuple[str, str | None, dict[str, Any]]] = [
+        ("relay, null transport (database only)", None, {}),
+        ("relay, Celery to Redis (pipelined)", REDIS, {}),
+        ("relay, Celery to RabbitMQ (confirms)", RABBITMQ, {}),
+        ("relay, Celery to RabbitMQ (transactions)", RABBITMQ, {"transactions": True}),
     ]
-    for label, broker in rows:
+    for label, broker, options in rows:
         with queue(broker or REDIS, "bench-relay") as name:
             fill(count, name)
             transport: Any = (
-                NullTransport() if broker is None else CeleryTransport(app=app, broker_url=broker)
+                NullTransport()
+                if broker is None
+                else CeleryTransport(app=app, broker_url=broker, **options)
             )
             relay = Relay(batch_size=batch_size, transports={"default": transport})
             started = time.perf_counter()
@@ -223,9 +227,13 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
             if broker is not None:
                 # The same messages through the transport alone: the broker's share.
                 messages = [_message(row) for row in OutboxEntry.objects.order_by("pk")]
-                alone = CeleryTransport(app=app, broker_url=broker)
+                alone = CeleryTransport(app=app, broker_url=broker, **options)
                 started = time.perf_counter()
-                outcomes = alone.send(messages)
+                outcomes = [
+                    outcome
+                    for start in range(0, len(messages), batch_size)
+                    for outcome in alone.send(messages[start : start + batch_size])
+                ]
                 seconds = time.perf_counter() - started
                 alone.close()
                 assert all(outcome is None for outcome in outcomes)
