@@ -195,7 +195,7 @@ def fill(count: int, queue_name: str) -> None:
 def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
     from django_idempotency.models import OutboxEntry
     from django_idempotency.relay import Relay
-    from django_idempotency.transports import CeleryTransport
+    from django_idempotency.transports import CeleryTransport, OutboxMessage
     from testproject.celery import app
 
     results: dict[str, Any] = {}
@@ -226,7 +226,8 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
             }
             if broker is not None:
                 # The same messages through the transport alone: the broker's share.
-                messages = [_message(row) for row in OutboxEntry.objects.order_by("pk")]
+                rows_sent = OutboxEntry.objects.order_by("pk")
+                messages = [OutboxMessage.from_entry(row) for row in rows_sent]
                 alone = CeleryTransport(app=app, broker_url=broker, **options)
                 started = time.perf_counter()
                 outcomes = [
@@ -244,21 +245,6 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
                 }
         clear()
     return results
-
-
-def _message(row: Any) -> Any:
-    from django_idempotency.transports import OutboxMessage
-
-    return OutboxMessage(
-        id=row.pk,
-        event_id=row.event_id,
-        destination=row.destination,
-        payload=row.payload,
-        headers=row.headers,
-        ordering_key=row.ordering_key,
-        created_at=row.created_at,
-        attempts=1,
-    )
 
 
 # --- 3. Latency from COMMIT to effect ----------------------------------------------------------

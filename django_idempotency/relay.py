@@ -218,7 +218,7 @@ class Relay:
         for index, row in enumerate(rows):
             groups.setdefault(row.transport, []).append(index)
         for name, indexes in groups.items():
-            messages = [_message(rows[index]) for index in indexes]
+            messages = [OutboxMessage.from_entry(rows[index]) for index in indexes]
             try:
                 transport = self._transport(name)
                 results = transport.send(messages)
@@ -369,19 +369,6 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
-
-
-def _message(row: OutboxEntry) -> OutboxMessage:
-    return OutboxMessage(
-        id=row.pk,
-        event_id=row.event_id,
-        destination=row.destination,
-        payload=row.payload,
-        headers=dict(row.headers or {}),
-        ordering_key=row.ordering_key,
-        created_at=row.created_at,
-        attempts=row.attempts,
-    )
 
 
 @contextmanager

@@ -49,6 +49,8 @@ from django_idempotency.events import EVENT_ID_KEY
 if TYPE_CHECKING:
     from celery import Celery
 
+    from django_idempotency.models import OutboxEntry
+
 __all__ = [
     "CeleryTransport",
     "OutboxMessage",
@@ -82,6 +84,20 @@ class OutboxMessage:
     created_at: datetime
     attempts: int
     """Attempts so far, this one included."""
+
+    @classmethod
+    def from_entry(cls, row: OutboxEntry) -> OutboxMessage:
+        """The message of an :class:`~django_idempotency.models.OutboxEntry` row."""
+        return cls(
+            id=row.pk,
+            event_id=row.event_id,
+            destination=row.destination,
+            payload=row.payload,
+            headers=dict(row.headers or {}),
+            ordering_key=row.ordering_key,
+            created_at=row.created_at,
+            attempts=row.attempts,
+        )
 
 
 @runtime_checkable
