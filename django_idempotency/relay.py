@@ -185,6 +185,7 @@ class Relay:
                 ).update(locked_until=now + self.lease, attempts=F("attempts") + 1)
         for row in chosen:
             row.attempts += 1
+            row.locked_until = now + self.lease
         return chosen
 
     def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
@@ -271,14 +272,17 @@ class Relay:
                     locked_until=None,
                     last_error="",
                 )
+            # A failure is recorded only while the lease is still this relay's: after a takeover
+            # the row belongs to the other relay (a sent mark always stands: the broker has it).
+            lease = rows[0].locked_until
             if released:
-                queryset.filter(id__in=released).update(
+                queryset.filter(id__in=released, locked_until=lease).update(
                     locked_until=None, attempts=F("attempts") - 1
                 )
             for row, error in failures:
                 text = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
                 if row.attempts >= self.max_attempts:
-                    queryset.filter(pk=row.pk).update(
+                    queryset.filter(pk=row.pk, locked_until=lease).update(
                         state=PARKED, locked_until=None, last_error=text
                     )
                     result.parked += 1
@@ -292,7 +296,7 @@ class Relay:
                         text,
                     )
                 else:
-                    queryset.filter(pk=row.pk).update(
+                    queryset.filter(pk=row.pk, locked_until=lease).update(
                         available_at=now + timedelta(seconds=self._delay(row.attempts)),
                         locked_until=None,
                         last_error=text,
