@@ -36,9 +36,9 @@ when their order matters.
 Waking up
 ---------
 :meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
-``poll_interval`` seconds. On PostgreSQL it also ``LISTEN``\\ s on the outbox channel, and the
-producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only costs one
-poll interval.
+``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
+and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
+costs one poll interval.
 """
 
 from __future__ import annotations
@@ -406,7 +406,7 @@ def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
 
 
 class _Listener:
-    """A connection of its own that ``LISTEN``\\ s on the outbox channel (PostgreSQL only)."""
+    """A connection of its own that listens on the outbox channel (PostgreSQL only)."""
 
     def __init__(self, wrapper: BaseDatabaseWrapper) -> None:
         self.wrapper = wrapper

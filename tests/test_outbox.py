@@ -1,7 +1,7 @@
 """``outbox.publish`` and ``outbox.send``: one row in the caller's transaction, or nothing.
 
 Runs on every backend. The NOTIFY tests run in the PostgreSQL pass: a second connection
-``LISTEN``\\ s and sees the notification only once the producer's transaction commits.
+runs ``LISTEN`` and sees the notification only once the producer's transaction commits.
 """
 
 from __future__ import annotations
