@@ -6,6 +6,8 @@ One batch (:meth:`Relay.run_once`) takes three steps:
    ``FOR UPDATE SKIP LOCKED`` where the database has it (PostgreSQL, MariaDB 10.6+, MySQL 8), so
    relays running at once take different rows and never wait on each other. SQLite has no row
    locks: the claim opens with ``BEGIN IMMEDIATE``, which serialises relays on the file lock.
+   Rows behind a message of their key that cannot go now (parked, backing off, leased) are left
+   out by the query itself, so a long queue behind a blocked message never starves other keys.
    Then keep only rows that may go now (see *Ordering*), and lease them: ``locked_until`` moves
    ``lease`` seconds ahead and ``attempts`` goes up by one. The transaction commits.
 2. **Send** the claimed messages through their transports, outside any transaction.
