@@ -15,6 +15,8 @@ django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 django_idempotency.W020 The middleware handles DRF views before their permission checks.
 django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
 django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
+django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
+django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
 ======================  =====================================================================
 """
 
@@ -149,6 +151,42 @@ def check_binary_collation(
                     hint=f"Give it {BINARY_COLLATION!r} again: ALTER TABLE {table} MODIFY "
                     f"{column} ... COLLATE {BINARY_COLLATION} (keep its type and NULL-ness).",
                     id="django_idempotency.E010",
+                )
+            )
+    return messages
+
+
+@register(Tags.compatibility)
+def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Each configured outbox transport's BACKEND imports and looks like a transport."""
+    try:
+        transports = conf.OUTBOX_TRANSPORTS
+    except ImproperlyConfigured:
+        return []  # E002 already says what is wrong with the setting
+    messages: list[CheckMessage] = []
+    for name, entry in transports.items():
+        backend = entry["BACKEND"]
+        try:
+            cls = import_string(backend)
+        except ImportError as exc:
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
+                    f"cannot be imported: {exc}.",
+                    hint="Point it at a transport class, such as "
+                    "'django_idempotency.transports.CeleryTransport', and install its "
+                    "dependencies.",
+                    id="django_idempotency.E030",
+                )
+            )
+            continue
+        if not all(callable(getattr(cls, method, None)) for method in ("send", "close")):
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
+                    "is not an outbox transport: it lacks send(messages) or close().",
+                    hint="See django_idempotency.transports.Transport for the interface.",
+                    id="django_idempotency.E031",
                 )
             )
     return messages

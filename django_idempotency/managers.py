@@ -22,7 +22,8 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
 
 Each queryset works on ``IDEMPOTENCY["DATABASE"]``, or on the alias picked with ``.using()``;
 the database router is not consulted. :func:`django_idempotency.purge.purge_all` runs the purge
-over the three tables of every database that holds them.
+over the four tables (records, processed events, deliveries and
+sent outbox messages) of every database that holds them.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _max_seconds(value: float | None) -> float:
 
 
 class ExpiringQuerySet(models.QuerySet[_M]):
-    """Queries shared by the three tables, which all expire on ``expires_at``."""
+    """Queries shared by the tables, which all expire on ``expires_at``."""
 
     def _alias(self) -> str:
         # Records live where the core writes them (IDEMPOTENCY["DATABASE"]) unless the caller
@@ -262,3 +263,30 @@ class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
 class EventDeliveryQuerySet(ExpiringQuerySet[_M]):
     def _extra_counts(self) -> dict[str, int]:
         return {"parked": self.using(self._alias()).filter(parked_at__isnull=False).count()}
+
+
+class OutboxEntryQuerySet(ExpiringQuerySet[_M]):
+    """Sent outbox messages expire ``OUTBOX_TTL`` after sending; pending and parked never do."""
+
+    def lag_seconds(self) -> float:
+        """Seconds since the oldest pending message was written (0 when none is pending)."""
+        oldest = (
+            self.using(self._alias())
+            .filter(state="pending")
+            .order_by("id")
+            .values_list("created_at", flat=True)
+            .first()
+        )
+        if oldest is None:
+            return 0.0
+        from django.utils import timezone
+
+        return max(float((timezone.now() - oldest).total_seconds()), 0.0)
+
+    def _extra_counts(self) -> dict[str, int]:
+        queryset = self.using(self._alias())
+        return {
+            "pending": queryset.filter(state="pending").count(),
+            "parked": queryset.filter(state="parked").count(),
+            "lag_seconds": round(self.lag_seconds()),
+        }

@@ -1,4 +1,4 @@
-"""The purge of the three tables, over every database that is asked for, within one time budget.
+"""The purge of the four tables, over every database that is asked for, within one time budget.
 
 :func:`purge_all` is what the Celery task :func:`django_idempotency.tasks.purge_expired` and the
 ``idempotency_purge`` command run. It purges ``IDEMPOTENCY["DATABASE"]`` by default, or each
@@ -19,7 +19,12 @@ from django.conf import settings
 from django_idempotency import partitioning
 from django_idempotency.conf import conf
 from django_idempotency.managers import _batch_size, _max_seconds
-from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.models import (
+    EventDelivery,
+    IdempotencyRecord,
+    OutboxEntry,
+    ProcessedEvent,
+)
 from django_idempotency.reports import PurgeResult
 
 __all__ = ["purge_all", "purged_databases"]
@@ -45,7 +50,7 @@ def purge_all(
     dry_run: bool = False,
     databases: Iterable[str] | str | None = None,
 ) -> list[PurgeResult]:
-    """Purge the three tables of each database within one time budget; one result per table.
+    """Purge the four tables of each database within one time budget; one result per table.
 
     ``databases`` lists the aliases to purge (default: ``IDEMPOTENCY["DATABASE"]`` alone).
     Each table of each database gets an equal share of what is left of ``max_seconds`` (a table
@@ -60,7 +65,7 @@ def purge_all(
     jobs: list[tuple[str, Any]] = [
         (alias, model.objects.using(alias))
         for alias in aliases
-        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
+        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery, OutboxEntry)
     ]
     results: list[PurgeResult] = []
     for position, (alias, queryset) in enumerate(jobs):

@@ -16,10 +16,13 @@ Configured from the environment with django-environ:
 * ``PGBOUNCER=1``: ``DATABASE_URL`` points at PgBouncer in transaction pooling mode
   (``scripts/pgbouncer.sh``); the test database is dropped after its server connections are
   closed (tests/conftest.py).
+
+* ``IDEMPOTENCY_OUTBOX_TRANSPORTS``: ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]`` as JSON (optional).
 """
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
@@ -127,6 +130,9 @@ REST_FRAMEWORK = {
 }
 
 IDEMPOTENCY: dict[str, object] = {}
+# The outbox's transports, as JSON (the outbox proofs start relays with their own).
+if env("IDEMPOTENCY_OUTBOX_TRANSPORTS", default=""):
+    IDEMPOTENCY["OUTBOX_TRANSPORTS"] = json.loads(env("IDEMPOTENCY_OUTBOX_TRANSPORTS"))
 
 PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
 

@@ -7,7 +7,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("django_idempotency", "0002_binary_collation"),
+        ("django_idempotency", "0003_outbox"),
     ]
 
     operations = [

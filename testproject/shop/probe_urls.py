@@ -2,7 +2,7 @@
 
 from django.urls import URLPattern, path
 
-from testproject.shop import probe_flows
+from testproject.shop import outbox_probe, probe_flows
 from testproject.shop import probe_views as views
 
 urlpatterns: list[URLPattern] = [
@@ -33,4 +33,5 @@ urlpatterns: list[URLPattern] = [
     path("mw/drf/viewset-lease/", views.DrfViewSetLease.as_view({"post": "create"})),
     path("flow/", probe_flows.flow_probe, name="probe-flow"),
     path("flow-unresumable/", probe_flows.flow_unresumable, name="probe-flow-unresumable"),
+    path("outbox/order-then-die/", outbox_probe.order_then_die, name="probe-outbox-die"),
 ]

@@ -126,11 +126,16 @@ class Command(BaseCommand):
         return text
 
     def _stats(self, aliases: list[str]) -> None:
-        from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+        from django_idempotency.models import (
+            EventDelivery,
+            IdempotencyRecord,
+            OutboxEntry,
+            ProcessedEvent,
+        )
 
         stats = [
             {"database": alias, **model.objects.using(alias).stats().as_dict()}
             for alias in aliases
-            for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
+            for model in (IdempotencyRecord, ProcessedEvent, EventDelivery, OutboxEntry)
         ]
         self.stdout.write(json.dumps(stats, indent=2))
