@@ -8,6 +8,8 @@ django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of 
 django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
 django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
 django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported.
+django_idempotency.E030 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
+django_idempotency.E031 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 ======================  =====================================================================
@@ -24,6 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import OPTIONS, SETTING_NAME, conf
+from django_idempotency.kafka_settings import check_consumers as check_kafka_consumers
 
 MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
 AUTHENTICATION_MIDDLEWARE_PATH = "django.contrib.auth.middleware.AuthenticationMiddleware"
@@ -60,6 +63,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     messages.extend(_ttl_warnings(valid))
+    messages.extend(check_kafka_consumers(valid.get("KAFKA_CONSUMERS") or {}))
     if valid.get("OWNER"):
         try:
             import_string(valid["OWNER"])
