@@ -49,6 +49,7 @@ __all__ = [
     "KafkaTransport",
     "Outcome",
     "event_id_of",
+    "replay_dead_letters",
 ]
 
 logger = logging.getLogger(__name__)
@@ -345,6 +346,80 @@ class ConsumerRunner:
                 {**self.settings.producer_config, "enable.idempotence": True, "acks": "all"}
             )
         return self._producer
+
+
+# --- Replaying the dead-letter topic ------------------------------------------------------------
+
+
+def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> Counter[str]:
+    """Put this consumer's dead-lettered messages back on their topics, once the cause is fixed.
+
+    Reads the consumer's dead-letter topics in the group ``<GROUP>.replay`` (so each message is
+    replayed once however often this runs), and for each message the consumer dead-lettered:
+
+    1. un-parks its event (deletes its parked delivery counter), so it gets ``MAX_DELIVERIES``
+       fresh deliveries;
+    2. produces it, with its own key, value and headers (the ``dlq.*`` ones removed), back to the
+       topic it came from, and waits for the acknowledgement;
+    3. commits the dead-letter offset.
+
+    Replayed messages are deduplicated like any other delivery: an event that was applied in the
+    meantime is skipped. A message without an event id is not replayed (it would only come back):
+    fix its producer and publish it again. Returns counts: ``replayed``, ``skipped`` (other
+    consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message.
+    """
+    settings = consumer_settings(settings) if isinstance(settings, str) else settings
+    dead_letter_topics = sorted({settings.dead_letter_topic_for(t) for t in settings.topics})
+    consumer = Consumer(
+        {
+            "auto.offset.reset": "earliest",
+            **settings.config,
+            "group.id": f"{settings.group}.replay",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+        }
+    )
+    producer = Producer({**settings.producer_config, "enable.idempotence": True, "acks": "all"})
+    counts: Counter[str] = Counter()
+    consumer.subscribe(dead_letter_topics)
+    try:
+        while True:
+            message = consumer.poll(idle)
+            if message is None:
+                break
+            if message.error() is not None:
+                continue
+            headers = _headers(message)
+            origin = {name: value for name, value in headers if name.startswith("dlq.")}
+            if _text(origin.get("dlq.consumer")) != settings.name:
+                counts["skipped"] += 1
+            else:
+                try:
+                    event_id = event_id_of(message, settings)
+                except MissingEventId as exc:
+                    logger.error("not replayed, %s: %s", _describe(message), exc)
+                    counts["no event id"] += 1
+                else:
+                    EventDelivery.objects.using(conf.DATABASE).filter(
+                        consumer=settings.name, event_id=event_id, parked_at__isnull=False
+                    ).delete()
+                    _produce_durably(
+                        producer,
+                        _text(origin.get("dlq.topic")),
+                        key=message.key(),
+                        value=message.value(),
+                        headers=[(n, v) for n, v in headers if not n.startswith("dlq.")],
+                    )
+                    counts["replayed"] += 1
+            consumer.commit(message=message, asynchronous=False)
+    finally:
+        consumer.close()
+        producer.flush(30)
+    return counts
+
+
+def _text(value: str | bytes | None) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value or ""
 
 
 def _produce_durably(

@@ -71,14 +71,13 @@ class Cluster:
         events: Iterable[Mapping[str, Any]],
         *,
         key: Callable[[Mapping[str, Any]], str | None] = lambda event: None,
-        header: bool = True,
     ) -> None:
-        """Produce JSON ``events``, each with its ``event_id`` in a header (unless ``header``
-        is False), and wait until every one is acknowledged."""
+        """Produce JSON ``events``, each with its ``event_id`` (if any) in a header too, and wait
+        until every one is acknowledged."""
         reports: list[Any] = []
         count = 0
         for event in events:
-            headers = {"event_id": str(event["event_id"])} if header and "event_id" in event else {}
+            headers = {"event_id": str(event["event_id"])} if "event_id" in event else {}
             self.producer.produce(
                 topic,
                 value=json.dumps(event).encode(),
@@ -114,6 +113,17 @@ class Cluster:
             consumer.close()
         return messages
 
+    def count(self, topic: str) -> int:
+        """How many messages ``topic`` holds (the sum of its partitions' high watermarks)."""
+        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "count"})
+        try:
+            return sum(
+                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(PARTITIONS)
+            )
+        finally:
+            consumer.close()
+
     def backlog(self, topic: str, group: str) -> int:
         """Messages of ``topic`` whose offsets ``group`` has not committed."""
         consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": group})
@@ -140,7 +150,10 @@ class Cluster:
 
     def close(self) -> None:
         self.producer.flush(10)
-        self._owner = None  # the mock cluster goes with its client
+        self.producer.close()
+        if self._owner is not None:
+            self._owner.close()  # the mock cluster goes with its client
+            self._owner = None
 
 
 @dataclass

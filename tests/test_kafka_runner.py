@@ -10,6 +10,9 @@ its topic before it counts.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import uuid
 from collections import Counter
@@ -21,8 +24,9 @@ import pytest
 from django.db import connection
 
 from django_idempotency.models import EventDelivery, ProcessedEvent
+from testproject.shop.kafka_handlers import CONSUMER
 from testproject.shop.models import Effect
-from tests.kafka_cluster import Cluster, ConsumerProcess, start_consumer
+from tests.kafka_cluster import REPO, Cluster, ConsumerProcess, start_consumer
 from tests.workers import database_url
 
 pytestmark = [
@@ -40,9 +44,7 @@ def cluster() -> Iterator[Cluster]:
 
 
 @pytest.fixture
-def consumers(
-    cluster: Cluster, tmp_path: Path
-) -> Iterator[Any]:
+def consumers(cluster: Cluster, tmp_path: Path) -> Iterator[Any]:
     """Start consumers on one topic and group; SIGKILL whatever is left after the test."""
     started: list[ConsumerProcess] = []
     topic = cluster.new_topic("runner")
@@ -117,3 +119,112 @@ def test_killed_after_the_database_commit_before_the_offset_commit(
     assert effects() == Counter({e["event_id"]: 1 for e in [paused, *after]})
     assert second.terminate() == 0
     assert "duplicate ignored: event " + paused["event_id"] in second.output()
+
+
+def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
+    cluster: Cluster, consumers: Any
+) -> None:
+    [poison] = events(1, behaviour="fail")
+    [flaky] = events(1, behaviour="fail_twice")
+    healthy = events(5)
+    no_id = {"behaviour": "none", "note": "no event id"}
+    # One key, one partition: the healthy events queue up behind the poison message.
+    cluster.produce(
+        consumers.topic, [poison, flaky, no_id, *healthy], key=lambda e: "one-partition"
+    )
+    consumer = consumers()
+    cluster.wait_caught_up(consumers.topic, consumers.group)
+
+    applied = Counter({e["event_id"]: 1 for e in [flaky, *healthy]})
+    assert effects() == applied  # the failures rolled their effects back
+    dead = cluster.read(f"{consumers.topic}.dlq", 2)
+    assert len(dead) == 2
+    by_id = {dict(m.headers() or []).get("event_id"): m for m in dead}
+    headers = dict(by_id[poison["event_id"].encode()].headers() or [])
+    assert headers["dlq.deliveries"] == b"4"  # MAX_DELIVERIES=3, parked on the 4th
+    assert headers["dlq.error"].startswith(b"RuntimeError: poison message")
+    assert headers["dlq.topic"] == consumers.topic.encode()
+    assert headers["dlq.consumer"] == b"shop.kafka"
+    assert headers["dlq.offset"] == b"0"
+    missing = dict(by_id[None].headers() or [])
+    assert missing["dlq.error"].startswith(b"MissingEventId")
+    assert by_id[None].value() is not None and b"no event id" in by_id[None].value()
+    assert EventDelivery.objects.get(event_id=poison["event_id"]).parked_at is not None
+    assert consumer.process.poll() is None  # still consuming
+    assert consumer.terminate() == 0
+    stopped = consumer.output().rsplit("stopped: ", 1)[1]
+    assert {"6 applied", "2 dead-lettered", "5 retry"} <= set(stopped.strip().split(", "))
+
+
+def test_two_consumers_through_rebalances_apply_each_event_once(
+    cluster: Cluster, consumers: Any
+) -> None:
+    batches = [events(60) for _ in range(3)]
+    by_key = lambda e: e["event_id"]  # noqa: E731 - spread over every partition
+    first = consumers()
+    cluster.produce(consumers.topic, batches[0], key=by_key)
+    first.wait_for("assigned")
+    second = consumers()  # joins: the partitions are shared out again
+    cluster.produce(consumers.topic, batches[1], key=by_key)
+    second.wait_for("assigned")
+    assert first.terminate() == 0  # leaves: the second takes every partition
+    cluster.produce(consumers.topic, batches[2], key=by_key)
+    cluster.wait_caught_up(consumers.topic, consumers.group, timeout=90)
+
+    assert effects() == Counter({e["event_id"]: 1 for batch in batches for e in batch})
+    assert "revoked" in first.output()
+    assert second.output().count("assigned") >= 2
+    assert second.terminate() == 0
+
+
+def test_dead_letter_replay_applies_the_event_once(
+    cluster: Cluster, consumers: Any, tmp_path: Path
+) -> None:
+    [poison] = events(1, behaviour="fail")
+    cluster.produce(consumers.topic, [poison])
+    broken = consumers()
+    cluster.wait_caught_up(consumers.topic, consumers.group)
+    assert broken.terminate() == 0
+    assert effects() == Counter()
+    [dead] = cluster.read(f"{consumers.topic}.dlq", 1)
+
+    replay = replay_command(cluster, consumers.topic, consumers.group)
+    assert replay.stdout.strip().endswith("1 replayed"), replay.stdout + replay.stderr
+    again = replay_command(cluster, consumers.topic, consumers.group)
+    assert again.stdout.strip().endswith("nothing to replay"), again.stdout + again.stderr
+    assert not EventDelivery.objects.filter(event_id=poison["event_id"]).exists()  # un-parked
+
+    fixed = consumers(SHOP_KAFKA_FIXED="1")
+    cluster.wait_caught_up(consumers.topic, consumers.group)
+    assert effects() == Counter({poison["event_id"]: 1})
+    # The same dead letter replayed once more, by hand: skipped as a duplicate.
+    cluster.producer.produce(
+        consumers.topic,
+        value=dead.value(),
+        headers=[(n, v) for n, v in dead.headers() or [] if not n.startswith("dlq.")],
+    )
+    cluster.producer.flush(10)
+    cluster.wait_caught_up(consumers.topic, consumers.group)
+    assert effects() == Counter({poison["event_id"]: 1})
+    assert fixed.terminate() == 0
+    assert "duplicate ignored: event " + poison["event_id"] in fixed.output()
+
+
+def replay_command(cluster: Cluster, topic: str, group: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "SHOP_KAFKA_BOOTSTRAP": cluster.bootstrap,
+        "SHOP_KAFKA_TOPICS": topic,
+        "SHOP_KAFKA_GROUP": group,
+    }
+    return subprocess.run(
+        [sys.executable, "manage.py", "idempotency_consume", "--replay-dead-letters", CONSUMER],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )

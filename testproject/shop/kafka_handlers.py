@@ -4,7 +4,8 @@ Each message's value is a JSON object. The handler writes one
 :class:`~testproject.shop.models.Effect` named ``kafka`` per execution, with the event id as its
 payload, so the tests can count effects. ``"behaviour"`` makes it misbehave on purpose:
 
-* ``"fail"``: raise, every time (a poison message);
+* ``"fail"``: raise, every time (a poison message), unless ``$SHOP_KAFKA_FIXED`` is set (the
+  bug was fixed: the dead-letter replay test);
 * ``"fail_twice"``: raise on the first two deliveries, then succeed;
 * ``"pause_after_commit"``: after the transaction commits, write ``<event id>.committed`` into
   ``$SHOP_KAFKA_PAUSE_DIR`` and wait for ever: the test SIGKILLs the consumer there, after the
@@ -38,7 +39,7 @@ def apply(message: Message) -> None:
     event_id = event.get("event_id") or event_id_header(message)
     Effect.objects.create(name="kafka", payload=event_id)
     behaviour = event.get("behaviour")
-    if behaviour == "fail":
+    if behaviour == "fail" and not os.environ.get("SHOP_KAFKA_FIXED"):
         raise RuntimeError(f"poison message {event_id}")
     if behaviour == "fail_twice":
         deliveries = EventDelivery.objects.get(consumer=CONSUMER, event_id=event_id).deliveries

@@ -22,17 +22,30 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("consumer", help='A name in IDEMPOTENCY["KAFKA_CONSUMERS"].')
+        parser.add_argument(
+            "--replay-dead-letters",
+            action="store_true",
+            help="Instead of consuming: put the consumer's dead-lettered messages back on their "
+            "topics (un-parking their events), then exit.",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             settings = consumer_settings(options["consumer"])
-            from django_idempotency.kafka import ConsumerRunner
+            from django_idempotency.kafka import ConsumerRunner, replay_dead_letters
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         except ImportError as exc:
             raise CommandError(
                 f"{exc}. Install the extra: pip install 'django-idempotency[kafka]'."
             ) from exc
+        if options["replay_dead_letters"]:
+            replayed = replay_dead_letters(settings)
+            self.stdout.write(
+                ", ".join(f"{n} {what}" for what, n in sorted(replayed.items()))
+                or "nothing to replay"
+            )
+            return
         runner = ConsumerRunner(settings)
 
         def stop(signum: int, frame: FrameType | None) -> None:

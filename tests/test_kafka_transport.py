@@ -1,0 +1,121 @@
+"""KafkaTransport, the outbox relay's Kafka transport, against a real client and cluster.
+
+The cluster is librdkafka's mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS`` (tests/kafka_cluster.py).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+pytest.importorskip("confluent_kafka")
+from confluent_kafka import KafkaException
+
+from django_idempotency.kafka import KafkaTransport
+from tests.kafka_cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """The fields of the outbox's OutboxMessage that a transport reads."""
+
+    destination: str
+    payload: Any
+    ordering_key: str | None = None
+    event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    headers: dict[str, str] = field(default_factory=dict)
+    id: int = 0
+    created_at: datetime = field(default_factory=timezone.now)
+    attempts: int = 1
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    kafka = Cluster()
+    yield kafka
+    kafka.close()
+
+
+@pytest.fixture
+def transport(cluster: Cluster) -> Iterator[KafkaTransport]:
+    kafka = KafkaTransport({"bootstrap.servers": cluster.bootstrap, "message.max.bytes": 20000})
+    yield kafka
+    kafka.close()
+
+
+@pytest.mark.slow
+def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
+    cluster: Cluster, transport: KafkaTransport
+) -> None:
+    topic = cluster.new_topic("transport")
+    messages = [
+        Outgoing(topic, {"n": n}, ordering_key=f"order-{n % 3}" if n % 4 else None)
+        for n in range(40)
+    ]
+    messages[1] = Outgoing(topic, {"n": 1}, "order-1", headers={"traceparent": "00-abc"})
+
+    assert transport.send(messages) == [None] * 40
+
+    received = cluster.read(topic, 40)
+    assert len(received) == 40
+    by_event = {dict(m.headers() or [])["event_id"].decode(): m for m in received}
+    assert set(by_event) == {m.event_id for m in messages}
+    assert dict(by_event[messages[1].event_id].headers() or [])["traceparent"] == b"00-abc"
+    partitions: defaultdict[bytes, set[int | None]] = defaultdict(set)
+    offsets: defaultdict[bytes, list[tuple[int | None, int]]] = defaultdict(list)
+    for sent in messages:
+        got = by_event[sent.event_id]
+        assert json.loads(got.value() or b"") == sent.payload
+        if sent.ordering_key is not None:
+            assert got.key() == sent.ordering_key.encode()
+            partitions[got.key() or b""].add(got.partition())
+            offsets[got.key() or b""].append((got.offset(), sent.payload["n"]))
+    assert all(len(found) == 1 for found in partitions.values())  # one partition per key
+    for pairs in offsets.values():
+        assert sorted(pairs) == sorted(pairs, key=lambda pair: pair[1])  # in the outbox order
+
+
+@pytest.mark.slow
+def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
+    cluster: Cluster, transport: KafkaTransport
+) -> None:
+    topic = cluster.new_topic("transport-fail")
+    too_big = {"blob": "x" * 50_000}  # over message.max.bytes: refused by the client
+    messages = [
+        Outgoing(topic, {"n": 0}, "a"),
+        Outgoing(topic, too_big, "a"),
+        Outgoing(topic, {"n": 2}, "a"),
+        Outgoing(topic, {"n": 3}, "b"),
+        Outgoing(topic, {"n": 4}),
+    ]
+
+    results = transport.send(messages)
+
+    assert results[0] is None and results[3] is None and results[4] is None
+    assert isinstance(results[1], KafkaException)
+    assert results[2] is results[1]  # not sent: reported with the failure that held it back
+    assert cluster.count(topic) == 3
+    received = cluster.read(topic, 3)
+    assert sorted(json.loads(m.value() or b"")["n"] for m in received) == [0, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("config", "text"),
+    [
+        ({}, "bootstrap.servers"),
+        ({"bootstrap.servers": "b:9092", "enable.idempotence": False}, "idempotence"),
+        ({"bootstrap.servers": "b:9092", "acks": 1}, "acks=all"),
+    ],
+)
+def test_a_weaker_producer_is_refused(config: dict[str, Any], text: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=text):
+        KafkaTransport(config)
