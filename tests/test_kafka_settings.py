@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -123,8 +125,18 @@ def settings_for(event_id: str) -> ConsumerSettings:
     )
 
 
-def message(value: bytes = b"{}", headers: list[tuple[str, bytes]] | None = None) -> Message:
-    return Message(topic="t", partition=0, offset=3, value=value, headers=headers or [])
+def message(value: bytes = b"{}", headers: list[tuple[str, bytes]] | None = None) -> Any:
+    """A real Message built in Python; None where the installed confluent-kafka cannot."""
+    try:
+        return Message(topic="t", partition=0, offset=3, value=value, headers=headers or [])
+    except TypeError:
+        return None
+
+
+def built(msg: Message | None) -> Message:
+    if msg is None:
+        pytest.skip("this confluent-kafka release cannot build a Message in Python")
+    return msg
 
 
 @pytest.mark.parametrize(
@@ -139,7 +151,7 @@ def message(value: bytes = b"{}", headers: list[tuple[str, bytes]] | None = None
 def test_the_event_id_is_found_where_the_settings_say(
     source: str, msg: Message, expected: str
 ) -> None:
-    assert event_id_of(msg, settings_for(source)) == expected
+    assert event_id_of(built(msg), settings_for(source)) == expected
 
 
 @pytest.mark.parametrize(
@@ -158,4 +170,18 @@ def test_a_missing_or_bad_event_id_is_missing_event_id(
     source: str, msg: Message, text: str
 ) -> None:
     with pytest.raises(MissingEventId, match=text):
-        event_id_of(msg, settings_for(source))
+        event_id_of(built(msg), settings_for(source))
+
+
+def test_the_guides_consumer_setting_is_valid() -> None:
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "kafka.md").read_text()
+    [block] = [
+        b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "KAFKA_CONSUMERS" in b
+    ]
+    namespace: dict[str, Any] = {}
+    exec(block, namespace)
+    with override_settings(IDEMPOTENCY=namespace["IDEMPOTENCY"]):
+        messages = check_settings()
+        assert consumer_settings("billing.ledger").group == "billing"
+    # Only the guide's own handler module is missing here.
+    assert ids(messages) == ["django_idempotency.E031"]
