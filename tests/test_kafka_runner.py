@@ -100,15 +100,7 @@ def test_killed_after_the_database_commit_before_the_offset_commit(
     cluster.produce(consumers.topic, [paused, *after], key=lambda e: "one-partition")
     first = consumers(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
     marker = tmp_path / f"{paused['event_id']}.committed"
-    first.wait_for("assigned")
-    deadline_output = ""
-    for _ in range(300):
-        if marker.exists():
-            break
-        threading.Event().wait(0.1)
-    else:
-        deadline_output = first.output()
-    assert marker.exists(), deadline_output
+    wait_for_file(marker, first)
     first.kill()  # after COMMIT, before the offset commit
 
     assert effects() == Counter({paused["event_id"]: 1})
@@ -119,6 +111,32 @@ def test_killed_after_the_database_commit_before_the_offset_commit(
     assert effects() == Counter({e["event_id"]: 1 for e in [paused, *after]})
     assert second.terminate() == 0
     assert "duplicate ignored: event " + paused["event_id"] in second.output()
+
+
+def test_sigterm_finishes_the_message_in_hand_and_commits_its_offset(
+    cluster: Cluster, consumers: Any, tmp_path: Path
+) -> None:
+    [slow] = events(1, behaviour="slow")
+    cluster.produce(consumers.topic, [slow])
+    consumer = consumers(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
+    wait_for_file(tmp_path / f"{slow['event_id']}.started", consumer)
+
+    assert consumer.terminate() == 0  # sent while the handler sleeps in its transaction
+
+    assert effects() == Counter({slow["event_id"]: 1})
+    assert cluster.backlog(consumers.topic, consumers.group) == 0
+    assert "SIGTERM: stopping after this message" in consumer.output()
+    assert "stopped: 1 applied" in consumer.output()
+
+
+def wait_for_file(path: Path, consumer: ConsumerProcess, timeout: float = 60.0) -> None:
+    for _ in range(int(timeout * 10)):
+        if path.exists():
+            return
+        if consumer.process.poll() is not None:
+            break
+        threading.Event().wait(0.1)
+    raise AssertionError(f"{path.name} never appeared:\n{consumer.output()}")
 
 
 def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(

@@ -7,6 +7,8 @@ payload, so the tests can count effects. ``"behaviour"`` makes it misbehave on p
 * ``"fail"``: raise, every time (a poison message), unless ``$SHOP_KAFKA_FIXED`` is set (the
   bug was fixed: the dead-letter replay test);
 * ``"fail_twice"``: raise on the first two deliveries, then succeed;
+* ``"slow"``: write ``<event id>.started`` into ``$SHOP_KAFKA_PAUSE_DIR``, then take two
+  seconds (the graceful stop test sends SIGTERM meanwhile);
 * ``"pause_after_commit"``: after the transaction commits, write ``<event id>.committed`` into
   ``$SHOP_KAFKA_PAUSE_DIR`` and wait for ever: the test SIGKILLs the consumer there, after the
   database commit and before the offset commit.
@@ -45,6 +47,9 @@ def apply(message: Message) -> None:
         deliveries = EventDelivery.objects.get(consumer=CONSUMER, event_id=event_id).deliveries
         if deliveries <= 2:
             raise RuntimeError(f"failure {deliveries} of {event_id}")
+    if behaviour == "slow":
+        (Path(os.environ["SHOP_KAFKA_PAUSE_DIR"]) / f"{event_id}.started").touch()
+        time.sleep(2)
     if behaviour == "pause_after_commit":
         transaction.on_commit(lambda: _pause(event_id))
 
