@@ -1,4 +1,5 @@
-"""Read-only admin pages for idempotency records, processed events and event deliveries.
+"""Read-only admin pages for idempotency records, processed events, event deliveries and the
+outbox.
 
 These tables are logs: they can hold millions of rows, and nobody should edit them by hand. Every
 page is therefore read-only (rows can be deleted), and each list page stays cheap on a large table:
@@ -41,7 +42,12 @@ from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
 from django_idempotency.managers import PurgeResult
-from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.models import (
+    EventDelivery,
+    IdempotencyRecord,
+    OutboxEntry,
+    ProcessedEvent,
+)
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[Any]
@@ -625,4 +631,105 @@ class EventDeliveryAdmin(PurgeExpiredMixin):
                 "preview_chars": PREVIEW_CHARS,
                 "binary_preview_bytes": BINARY_PREVIEW_BYTES,
             },
+        )
+
+
+# --- The outbox ---------------------------------------------------------------------------------
+
+
+@admin.register(OutboxEntry)
+class OutboxEntryAdmin(PurgeExpiredMixin):
+    """Outbox messages: pending (with their lag), sent, and parked ones to requeue."""
+
+    list_display = (
+        "event_id",
+        "destination",
+        "transport",
+        "ordering_key",
+        "state",
+        "attempts",
+        "lag",
+        "created_at",
+        "available_at",
+        "short_error",
+    )
+    list_filter = (
+        "state",
+        recent_values_filter("transport", "id", str(_("transport (recent)"))),
+        recent_values_filter("destination", "id", str(_("destination (recent)"))),
+        ExpiredFilter,
+    )
+    # Sortable only by the primary key (newest first), which every index ends with.
+    sortable_by = ()
+    ordering = ("-id",)
+    search_fields = ("event_id", "ordering_key")
+    search_help_text = _("An exact event id or ordering key.")
+    readonly_fields = ("lag", "expired", "error_text")
+    fields = (
+        "event_id",
+        "destination",
+        "transport",
+        "ordering_key",
+        "state",
+        "attempts",
+        "lag",
+        "available_at",
+        "locked_until",
+        "created_at",
+        "sent_at",
+        "expires_at",
+        "expired",
+        "payload",
+        "headers",
+        "error_text",
+    )
+    actions = ["purge_expired", "requeue"]
+
+    @admin.display(description=_("lag"))
+    def lag(self, obj: OutboxEntry) -> str:
+        """Pending or parked: how long it has waited. Sent: how long it took."""
+        end = obj.sent_at if obj.sent_at is not None else timezone.now()
+        return f"{max((end - obj.created_at).total_seconds(), 0.0):.1f} s"
+
+    @admin.display(boolean=True, description=_("expired"))
+    def expired(self, obj: Any) -> bool:
+        return obj.expires_at is not None and bool(obj.expires_at <= timezone.now())
+
+    @admin.display(description=_("last error"))
+    def short_error(self, obj: OutboxEntry) -> str:
+        lines = obj.last_error.strip().splitlines()
+        return Truncator(lines[-1] if lines else "").chars(80)
+
+    @admin.display(description=_("last error"))
+    def error_text(self, obj: OutboxEntry) -> SafeString:
+        return render_to_string(
+            "django_idempotency/admin/stored_body.html",
+            {
+                "preview": preview_body(obj.last_error.encode(), "text/plain; charset=utf-8"),
+                "preview_chars": PREVIEW_CHARS,
+                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
+            },
+        )
+
+    def has_requeue_permission(self, request: HttpRequest) -> bool:
+        opts = self.model._meta
+        return bool(request.user.has_perm(f"{opts.app_label}.change_{opts.model_name}"))
+
+    @admin.action(
+        description=_("Requeue the selected parked messages (send them again)"),
+        permissions=["requeue"],
+    )
+    def requeue(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        count = queryset.filter(state=OutboxEntry.State.PARKED).update(
+            state=OutboxEntry.State.PENDING, attempts=0, available_at=None, locked_until=None
+        )
+        self.message_user(
+            request,
+            ngettext(
+                "Requeued %(count)d parked message.",
+                "Requeued %(count)d parked messages.",
+                count,
+            )
+            % {"count": count},
+            messages.SUCCESS,
         )

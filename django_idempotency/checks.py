@@ -12,6 +12,8 @@ django_idempotency.E030 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not in
 django_idempotency.E031 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
+django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
+django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
 ======================  =====================================================================
 """
 
@@ -120,3 +122,39 @@ def check_middleware_order(app_configs: Any = None, **kwargs: Any) -> list[Check
             )
         ]
     return []
+
+
+@register(Tags.compatibility)
+def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
+    """Each configured outbox transport's BACKEND imports and looks like a transport."""
+    try:
+        transports = conf.OUTBOX_TRANSPORTS
+    except ImproperlyConfigured:
+        return []  # E002 already says what is wrong with the setting
+    messages: list[CheckMessage] = []
+    for name, entry in transports.items():
+        backend = entry["BACKEND"]
+        try:
+            cls = import_string(backend)
+        except ImportError as exc:
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
+                    f"cannot be imported: {exc}.",
+                    hint="Point it at a transport class, such as "
+                    "'django_idempotency.transports.CeleryTransport', and install its "
+                    "dependencies.",
+                    id="django_idempotency.E030",
+                )
+            )
+            continue
+        if not all(callable(getattr(cls, method, None)) for method in ("send", "close")):
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
+                    "is not an outbox transport: it lacks send(messages) or close().",
+                    hint="See django_idempotency.transports.Transport for the interface.",
+                    id="django_idempotency.E031",
+                )
+            )
+    return messages

@@ -161,6 +161,31 @@ def _partition_interval(name: str, value: Any) -> str | None:
     return str(value)
 
 
+def _outbox_transports(name: str, value: Any) -> dict[str, dict[str, Any]]:
+    """``{name: {"BACKEND": dotted path, "OPTIONS": {...}}}``, with a ``"default"`` entry."""
+    if not isinstance(value, dict) or not value:
+        raise _error(name, f"must be a non-empty dict of transport names, not {value!r}.")
+    parsed: dict[str, dict[str, Any]] = {}
+    for transport, entry in value.items():
+        if not isinstance(transport, str) or not transport or len(transport) > 100:
+            raise _error(name, f"has the transport name {transport!r}: use a short string.")
+        if not isinstance(entry, dict) or set(entry) - {"BACKEND", "OPTIONS"}:
+            raise _error(
+                name, f"[{transport!r}] must be a dict with BACKEND and OPTIONS, not {entry!r}."
+            )
+        backend, options = entry.get("BACKEND"), entry.get("OPTIONS", {})
+        if not isinstance(backend, str) or "." not in backend:
+            raise _error(
+                name, f"[{transport!r}]['BACKEND'] must be a dotted path, not {backend!r}."
+            )
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise _error(name, f"[{transport!r}]['OPTIONS'] must be a dict, not {options!r}.")
+        parsed[transport] = {"BACKEND": backend, "OPTIONS": options}
+    if "default" not in parsed:
+        raise _error(name, "must have a 'default' transport, the one messages use unless named.")
+    return parsed
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -223,6 +248,21 @@ OPTIONS: dict[str, Option] = {
         _partition_interval,
         "None, or 'day'/'month': ProcessedEvent is range-partitioned by event time "
         "(PostgreSQL; see idempotency_partitions).",
+    ),
+    # --- The transactional outbox ---
+    "OUTBOX_TTL": Option(
+        timedelta(days=7), _duration, "How long a sent outbox message is kept before the purge."
+    ),
+    "OUTBOX_TRANSPORTS": Option(
+        {"default": {"BACKEND": "django_idempotency.transports.CeleryTransport"}},
+        _outbox_transports,
+        "Named transports the outbox relay sends through: {name: {BACKEND, OPTIONS}}.",
+    ),
+    "OUTBOX_MAX_ATTEMPTS": Option(
+        20, _positive_int(), "Send attempts of one outbox message before it is parked."
+    ),
+    "OUTBOX_NOTIFY": Option(
+        True, _boolean, "On PostgreSQL, wake the relay with NOTIFY when a message commits."
     ),
 }
 
@@ -327,6 +367,22 @@ class IdempotencySettings:
     @property
     def EVENT_PARTITIONS(self) -> str | None:
         return self.value("EVENT_PARTITIONS")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_TTL(self) -> timedelta:
+        return self.value("OUTBOX_TTL")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_TRANSPORTS(self) -> dict[str, dict[str, Any]]:
+        return self.value("OUTBOX_TRANSPORTS")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_MAX_ATTEMPTS(self) -> int:
+        return self.value("OUTBOX_MAX_ATTEMPTS")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_NOTIFY(self) -> bool:
+        return self.value("OUTBOX_NOTIFY")  # type: ignore[no-any-return]
 
 
 conf = IdempotencySettings()

@@ -20,8 +20,9 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
   partitions are dropped whole by :func:`~django_idempotency.partitioning.maintain`, which
   :func:`purge_all` runs too.
 
-:func:`purge_all` runs the purge over the three tables within one time budget; the Celery task
-and the ``idempotency_purge`` command are thin wrappers around it.
+:func:`purge_all` runs the purge over the four tables (records, processed events, deliveries and
+sent outbox messages) within one time budget; the Celery task and the ``idempotency_purge``
+command are thin wrappers around it.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class TableStats:
     """The smallest ``expires_at``: far in the past means the purge is not keeping up."""
     counts: dict[str, int] = field(default_factory=dict)
     """Per-table figures: ``in_progress`` and ``live_leases`` for records, ``parked`` for
-    deliveries."""
+    deliveries, ``pending``, ``parked`` and ``lag_seconds`` for the outbox."""
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -132,7 +133,7 @@ def _max_seconds(value: float | None) -> float:
 
 
 class ExpiringQuerySet(models.QuerySet[_M]):
-    """Queries shared by the three tables, which all expire on ``expires_at``."""
+    """Queries shared by the tables, which all expire on ``expires_at``."""
 
     def _alias(self) -> str:
         # Records live where the core writes them (IDEMPOTENCY["DATABASE"]) unless the caller
@@ -311,12 +312,39 @@ class EventDeliveryQuerySet(ExpiringQuerySet[_M]):
         return {"parked": self.using(self._alias()).filter(parked_at__isnull=False).count()}
 
 
+class OutboxEntryQuerySet(ExpiringQuerySet[_M]):
+    """Sent outbox messages expire ``OUTBOX_TTL`` after sending; pending and parked never do."""
+
+    def lag_seconds(self) -> float:
+        """Seconds since the oldest pending message was written (0 when none is pending)."""
+        oldest = (
+            self.using(self._alias())
+            .filter(state="pending")
+            .order_by("id")
+            .values_list("created_at", flat=True)
+            .first()
+        )
+        if oldest is None:
+            return 0.0
+        from django.utils import timezone
+
+        return max(float((timezone.now() - oldest).total_seconds()), 0.0)
+
+    def _extra_counts(self) -> dict[str, int]:
+        queryset = self.using(self._alias())
+        return {
+            "pending": queryset.filter(state="pending").count(),
+            "parked": queryset.filter(state="parked").count(),
+            "lag_seconds": round(self.lag_seconds()),
+        }
+
+
 def purge_all(
     batch_size: int | None = None,
     max_seconds: float | None = None,
     dry_run: bool = False,
 ) -> list[PurgeResult]:
-    """Purge the three tables within one time budget and return one result per table.
+    """Purge the four tables within one time budget and return one result per table.
 
     Each table gets an equal share of what is left of ``max_seconds`` (a table that finishes
     early leaves its share to the next), so a backlog in one table cannot starve the others.
@@ -324,7 +352,12 @@ def purge_all(
     ones dropped.
     """
     from django_idempotency import partitioning
-    from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+    from django_idempotency.models import (
+        EventDelivery,
+        IdempotencyRecord,
+        OutboxEntry,
+        ProcessedEvent,
+    )
 
     size = _batch_size(batch_size)
     budget = _max_seconds(max_seconds)
@@ -333,6 +366,7 @@ def purge_all(
         IdempotencyRecord.objects,
         ProcessedEvent.objects,
         EventDelivery.objects,
+        OutboxEntry.objects,
     ]
     results: list[PurgeResult] = []
     for position, manager in enumerate(managers):

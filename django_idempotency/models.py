@@ -5,6 +5,8 @@
   transaction as the business effect.
 * :class:`EventDelivery` counts deliveries of an event, committed apart from the business
   transaction, so a message that keeps killing its worker can be parked.
+* :class:`OutboxEntry` is a message waiting to leave: written in the producer's transaction, sent
+  by the relay after it commits (:mod:`django_idempotency.outbox`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from django.utils.translation import gettext_lazy as _
 from django_idempotency.managers import (
     EventDeliveryQuerySet,
     IdempotencyRecordQuerySet,
+    OutboxEntryQuerySet,
     ProcessedEventQuerySet,
 )
 
@@ -129,3 +132,74 @@ class EventDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.consumer}: {self.event_id} ({self.deliveries} deliveries)"
+
+
+class OutboxEntry(models.Model):
+    """A message written in the producer's transaction and sent by the relay once it commits."""
+
+    class State(models.TextChoices):
+        PENDING = "pending", _("pending")
+        SENT = "sent", _("sent")
+        PARKED = "parked", _("parked")
+
+    event_id = models.CharField(_("event id"), max_length=255)
+    destination = models.CharField(
+        _("destination"), max_length=255, help_text=_("A Celery task name or a topic.")
+    )
+    transport = models.CharField(
+        _("transport"),
+        max_length=100,
+        default="default",
+        help_text=_("A name in IDEMPOTENCY['OUTBOX_TRANSPORTS']."),
+    )
+    payload = models.JSONField(_("payload"))
+    headers = models.JSONField(_("headers"), default=dict, blank=True)
+    ordering_key = models.CharField(
+        _("ordering key"),
+        max_length=255,
+        null=True,
+        blank=True,
+        help_text=_("Messages with one key are sent in order, never overtaking each other."),
+    )
+    state = models.CharField(
+        _("state"), max_length=8, choices=State.choices, default=State.PENDING
+    )
+    attempts = models.PositiveIntegerField(_("attempts"), default=0)
+    available_at = models.DateTimeField(
+        _("next attempt"),
+        null=True,
+        blank=True,
+        help_text=_("Not sent before this time (backoff after a failure); empty: at once."),
+    )
+    locked_until = models.DateTimeField(
+        _("claimed until"),
+        null=True,
+        blank=True,
+        help_text=_("A relay is sending it; after this time another relay may take it over."),
+    )
+    last_error = models.TextField(_("last error"), blank=True, default="")
+    created_at = models.DateTimeField(_("created"), default=timezone.now)
+    sent_at = models.DateTimeField(_("sent"), null=True, blank=True)
+    expires_at = models.DateTimeField(
+        _("expires"),
+        null=True,
+        blank=True,
+        help_text=_("Set when sent (sent + OUTBOX_TTL); pending and parked rows never expire."),
+    )
+
+    objects = OutboxEntryQuerySet.as_manager()
+
+    class Meta:
+        verbose_name = _("outbox message")
+        verbose_name_plural = _("outbox messages")
+        indexes = [
+            # The relay's claim: pending rows in id order.
+            models.Index(fields=["state", "id"], name="idem_outbox_state_idx"),
+            # The ordering check: the unsent rows of a few keys.
+            models.Index(fields=["ordering_key", "state", "id"], name="idem_outbox_key_idx"),
+            models.Index(fields=["event_id"], name="idem_outbox_event_idx"),
+            models.Index(fields=["expires_at"], name="idem_outbox_expires_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.destination}: {self.event_id} ({self.state})"

@@ -38,3 +38,22 @@ def purge_expired(
         result.label: result.as_dict()
         for result in purge_all(batch_size=batch_size, max_seconds=max_seconds)
     }
+
+
+# --- The outbox relay, for sites without a long-running relay process ---------------------------
+
+RELAY_TASK_NAME = "django_idempotency.relay_outbox"
+
+
+@shared_task(name=RELAY_TASK_NAME, ignore_result=True)
+def relay_outbox(max_seconds: float = 50.0, batch_size: int = 500) -> dict[str, int]:
+    """Send the outbox messages that are due, for at most ``max_seconds``.
+
+    The alternative to ``manage.py idempotency_relay`` for small sites: schedule it with Celery
+    beat more often than ``max_seconds`` (every minute for the default), so runs rarely overlap;
+    when they do, they share the work as several relays do. Latency is up to the schedule's
+    period. Returns the totals (claimed, sent, failed, parked, released, batches).
+    """
+    from django_idempotency.relay import Relay
+
+    return Relay(batch_size=batch_size).drain(max_seconds=max_seconds).as_dict()

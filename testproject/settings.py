@@ -7,10 +7,12 @@ Configured from the environment with django-environ:
 * ``CELERY_BROKER_URL``: unset means Celery runs tasks eagerly in the web process; set it
   (``redis://127.0.0.1:6379/0``, ``amqp://guest:guest@127.0.0.1:5672//``) to use a real broker.
 * ``TEST_DB_SUFFIX``: appended to test database names so parallel runs do not collide.
+* ``IDEMPOTENCY_OUTBOX_TRANSPORTS``: ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]`` as JSON (optional).
 """
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -102,6 +104,9 @@ REST_FRAMEWORK = {
 }
 
 IDEMPOTENCY: dict[str, object] = {}
+# The outbox's transports, as JSON (the outbox proofs start relays with their own).
+if env("IDEMPOTENCY_OUTBOX_TRANSPORTS", default=""):
+    IDEMPOTENCY["OUTBOX_TRANSPORTS"] = json.loads(env("IDEMPOTENCY_OUTBOX_TRANSPORTS"))
 
 # The Kafka consumer of the Kafka tests (tests/test_kafka_runner.py), which set these variables.
 if env("SHOP_KAFKA_BOOTSTRAP", default=""):

@@ -1,8 +1,9 @@
 """The demo in the test project: the orders API, its unprotected copy, and ``retry_storm``.
 
-The billing consumer runs eagerly here (no ``CELERY_BROKER_URL`` in the test settings), so an
-order's ``OrderConfirmed`` event is applied when the request's transaction commits. Delivery
-through real brokers is proven in the consumer tests; these tests are about the demo's wiring.
+An order's ``OrderConfirmed`` event is written to the outbox with the order. The billing
+consumer runs eagerly here (no ``CELERY_BROKER_URL`` in the test settings), so the event is
+applied when a relay runs in the test process. Delivery through real brokers is proven in the
+consumer and outbox tests; these tests are about the demo's wiring.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
 
-from django_idempotency.models import IdempotencyRecord, ProcessedEvent
+from django_idempotency.models import IdempotencyRecord, OutboxEntry, ProcessedEvent
+from django_idempotency.relay import Relay
 from testproject.shop.models import LedgerEntry, Order, Payment
 from testproject.shop.tasks import apply_order_confirmed
 
@@ -47,7 +49,14 @@ def test_order_is_created_once_and_its_event_applied_once(client: Client) -> Non
     assert first["Location"] == f"/api/orders/{data['order']['id']}/"
     assert uuid.UUID(data["event_id"]).version == 7
 
-    # The event left on commit and the billing consumer applied it once.
+    # The event is in the outbox, with the order, and has not left yet.
+    message = OutboxEntry.objects.get()
+    assert (message.event_id, message.state) == (data["event_id"], "pending")
+    assert message.ordering_key == f"order-{data['order']['id']}"
+    assert not LedgerEntry.objects.exists()
+
+    # The relay sends it and the billing consumer applies it once.
+    assert Relay().drain().sent == 1
     entry = LedgerEntry.objects.get()
     assert (entry.order_id, entry.event_id, entry.amount_cents) == (
         data["order"]["id"],
@@ -56,7 +65,7 @@ def test_order_is_created_once_and_its_event_applied_once(client: Client) -> Non
     )
     assert ProcessedEvent.objects.filter(event_id=data["event_id"]).count() == 1
 
-    # A retry with the same key is a replay: same answer, nothing runs.
+    # A retry with the same key is a replay: same answer, nothing runs, nothing is published.
     again = post(client, ORDERS, ORDER, key)
     assert again.status_code == 201
     assert again["Idempotent-Replayed"] == "true"
@@ -67,6 +76,8 @@ def test_order_is_created_once_and_its_event_applied_once(client: Client) -> Non
         1,
         1,
     )
+    assert OutboxEntry.objects.count() == 1
+    assert Relay().drain().claimed == 0
 
     # The broker delivering the same event again changes nothing.
     event = {"event_id": data["event_id"], "order_id": data["order"]["id"], "amount_cents": 1250}
@@ -83,6 +94,7 @@ def test_same_payment_under_another_key_returns_the_existing_order(client: Clien
     assert second.json()["created"] is False
     assert second.json()["order"]["id"] == first["order"]["id"]
     assert second.json()["event_id"] == first["event_id"]
+    assert Relay().drain().sent == 1  # one event, for the one order
     assert (Order.objects.count(), Payment.objects.count(), LedgerEntry.objects.count()) == (
         1,
         1,

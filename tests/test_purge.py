@@ -27,7 +27,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency.managers import DatabaseNow, PurgeResult, purge_all
-from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.models import (
+    EventDelivery,
+    IdempotencyRecord,
+    OutboxEntry,
+    ProcessedEvent,
+)
 from django_idempotency.tasks import PURGE_TASK_NAME, purge_expired
 
 pytestmark = pytest.mark.django_db
@@ -59,10 +64,24 @@ def make_delivery(key: str, expires_in: timedelta, **fields: Any) -> EventDelive
     )
 
 
+def make_sent_message(key: str, expires_in: timedelta) -> OutboxEntry:
+    """A sent outbox message (only sent ones expire)."""
+    now = timezone.now()
+    return OutboxEntry.objects.create(
+        event_id=key,
+        destination="billing.apply",
+        payload={},
+        state=OutboxEntry.State.SENT,
+        sent_at=now,
+        expires_at=now + expires_in,
+    )
+
+
 MAKERS: dict[type[Model], Callable[[str, timedelta], Model]] = {
     IdempotencyRecord: make_record,
     ProcessedEvent: make_event,
     EventDelivery: make_delivery,
+    OutboxEntry: make_sent_message,
 }
 
 
@@ -197,14 +216,14 @@ def test_invalid_arguments_raise(arguments: dict[str, Any]) -> None:
         ProcessedEvent.objects.delete_expired(**arguments)
 
 
-def test_purge_all_covers_the_three_tables() -> None:
+def test_purge_all_covers_the_four_tables() -> None:
     for model in MAKERS:
         seed(model, expired=3, live=2)
 
     results = purge_all(batch_size=2, max_seconds=60)
 
     assert [r.label for r in results] == [m._meta.label for m in MAKERS]
-    assert [(r.deleted, r.batches, r.finished) for r in results] == [(3, 2, True)] * 3
+    assert [(r.deleted, r.batches, r.finished) for r in results] == [(3, 2, True)] * 4
     assert all(model._default_manager.count() == 2 for model in MAKERS)
     assert all(r.partitions is None for r in results)
 
@@ -215,7 +234,7 @@ def test_purge_all_shares_a_spent_budget_so_no_table_starves() -> None:
 
     results = purge_all(batch_size=2, max_seconds=1e-9)
 
-    assert [(r.deleted, r.finished) for r in results] == [(2, False)] * 3
+    assert [(r.deleted, r.finished) for r in results] == [(2, False)] * 4
 
 
 def test_stats_report_size_backlog_and_counts() -> None:

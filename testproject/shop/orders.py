@@ -4,7 +4,8 @@
 has the second line of defence that money needs, a business unique constraint:
 ``Payment`` is unique on (provider, external payment id). If the same payment arrives under
 another idempotency key (a client that lost its key, two clients racing), the insert conflicts and
-the existing order is returned instead of a second one.
+the existing order is returned instead of a second one. Its ``OrderConfirmed`` event goes through
+the transactional outbox (:mod:`django_idempotency.outbox`).
 
 :func:`place_order_unprotected` is what ``POST /api/unsafe-orders/`` runs: no idempotency key, no
 business key, a fresh event id every time. Each retry is a new order and a new ledger entry; the
@@ -19,7 +20,8 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from django_idempotency import new_event_id
+from django_idempotency import new_event_id, outbox
+from django_idempotency.models import OutboxEntry
 from testproject.shop.models import LedgerEntry, Order, Payment
 from testproject.shop.tasks import apply_order_confirmed
 
@@ -92,6 +94,11 @@ class Placed:
         }
 
 
+def order_key(order_id: int) -> str:
+    """The ordering key of an order's events: they reach consumers in the order written."""
+    return f"order-{order_id}"
+
+
 def _existing(request: OrderRequest) -> Placed | None:
     payment = (
         Payment.objects.select_related("order")
@@ -100,16 +107,21 @@ def _existing(request: OrderRequest) -> Placed | None:
     )
     if payment is None:
         return None
-    entry = LedgerEntry.objects.filter(order=payment.order).values_list("event_id", flat=True)
-    return Placed(payment.order, payment, entry.first(), created=False)
+    # The order's OrderConfirmed event id, as written to the outbox with the order.
+    event = OutboxEntry.objects.filter(ordering_key=order_key(payment.order.pk)).values_list(
+        "event_id", flat=True
+    )
+    return Placed(payment.order, payment, event.order_by("pk").first(), created=False)
 
 
 def place_order(request: OrderRequest, customer: Any = None) -> Placed:
     """Create the order and its payment once per (provider, external payment id).
 
     Runs inside the caller's transaction (the ``@idempotent`` one). The ``OrderConfirmed``
-    event, stamped with a UUIDv7, is handed to Celery with ``delay_on_commit``: it leaves only if
-    that transaction commits.
+    event, stamped with a UUIDv7, is written to the outbox in that transaction, with the order as
+    its ordering key: it exists if and only if the order does, and the relay
+    (``manage.py idempotency_relay``) hands it to Celery once the transaction has committed, even
+    if this process dies right after the COMMIT.
     """
     existing = _existing(request)
     if existing is not None:
@@ -134,8 +146,10 @@ def place_order(request: OrderRequest, customer: Any = None) -> Placed:
             raise
         return existing
     event_id = str(new_event_id())
-    apply_order_confirmed.delay_on_commit(
-        {"event_id": event_id, "order_id": order.pk, "amount_cents": order.amount_cents}
+    outbox.publish(
+        apply_order_confirmed,
+        args=[{"event_id": event_id, "order_id": order.pk, "amount_cents": order.amount_cents}],
+        key=order_key(order.pk),
     )
     return Placed(order, payment, event_id, created=True)
 

@@ -103,10 +103,15 @@ class Command(BaseCommand):
         return text
 
     def _stats(self) -> None:
-        from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+        from django_idempotency.models import (
+            EventDelivery,
+            IdempotencyRecord,
+            OutboxEntry,
+            ProcessedEvent,
+        )
 
         stats = [
             model.objects.stats().as_dict()
-            for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
+            for model in (IdempotencyRecord, ProcessedEvent, EventDelivery, OutboxEntry)
         ]
         self.stdout.write(json.dumps(stats, indent=2))

@@ -5,11 +5,13 @@
     python manage.py retry_storm --requests 50 --redeliveries 10 --url http://127.0.0.1:8000
 
 It fires ``--requests`` identical ``POST`` requests with **one** ``Idempotency-Key`` at
-``/api/orders/``, all released at once from as many threads, then delivers the order's
-``OrderConfirmed`` event ``--redeliveries`` more times to the billing consumer. Then it does the
+``/api/orders/``, all released at once from as many threads. The one execution writes the order's
+``OrderConfirmed`` event to the transactional outbox; the relay sends it (in this process with
+eager Celery; a running ``manage.py idempotency_relay`` with a broker). Then it delivers that
+event ``--redeliveries`` more times to the billing consumer. Then it does the
 same to ``/api/unsafe-orders/``, the copy without protection. It prints, for each endpoint, the
-requests sent, the orders created, the replays served, the conflicts (409) and the ledger
-entries.
+requests sent, the orders created, the outbox messages written, the replays served, the
+conflicts (409) and the ledger entries.
 
 The counts are read from the database in this process's settings: run it with the same
 ``DATABASE_URL`` as the server (the demo's SQLite file by default). With ``CELERY_BROKER_URL``
@@ -35,8 +37,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.db import connections
 from django.test import Client
 
+from django_idempotency.models import OutboxEntry
+from django_idempotency.relay import Relay
 from testproject.shop.models import LedgerEntry, Order
-from testproject.shop.orders import apply_unprotected
+from testproject.shop.orders import apply_unprotected, order_key
 from testproject.shop.tasks import apply_order_confirmed
 
 PROTECTED = "/api/orders/"
@@ -66,6 +70,10 @@ class StormResult:
     first_error: str = ""
     network_retries: int = 0
     orders_created: int = 0
+    outbox_messages: int = 0
+    """Outbox rows written for the order's event (the relay sends them)."""
+    relay_waiting: bool = False
+    """True when the outbox message was not sent within --wait: no relay is running."""
     redeliveries: int = 0
     ledger_entries: int = 0
 
@@ -228,6 +236,22 @@ def first_event(reference: str, wait: float) -> dict[str, Any] | None:
         time.sleep(0.25)
 
 
+def relay_order_events(order_id: int, wait: float) -> tuple[int, bool]:
+    """Count the order's outbox messages and get them sent; (count, still waiting for a relay).
+
+    With eager Celery (no broker) the relay runs here, in this process. With a broker, a relay
+    process (``manage.py idempotency_relay``) sends them; this waits up to ``wait`` seconds.
+    """
+    messages = OutboxEntry.objects.filter(ordering_key=order_key(order_id))
+    if settings.CELERY_TASK_ALWAYS_EAGER:
+        Relay().drain()
+    else:
+        deadline = time.monotonic() + wait
+        while messages.filter(state="pending").exists() and time.monotonic() < deadline:
+            time.sleep(0.25)
+    return messages.count(), messages.filter(state="pending").exists()
+
+
 def protected_storm(
     send: Sender, requests: int, redeliveries: int, amount: int, wait: float, tag: str
 ) -> StormResult:
@@ -236,6 +260,9 @@ def protected_storm(
     body = order_body(reference, f"pay_{tag}", amount)
     tally(result, fire(send, PROTECTED, body, str(uuid.uuid4()), requests))
     result.orders_created = Order.objects.filter(reference=reference).count()
+    order = Order.objects.filter(reference=reference).first()
+    if order is not None:
+        result.outbox_messages, result.relay_waiting = relay_order_events(order.pk, wait)
     event = first_event(reference, wait)
     if event is not None:
         for _ in range(redeliveries):
@@ -268,6 +295,7 @@ ROWS = [
     ("replays served", "replays"),
     ("conflicts (409)", "conflicts"),
     ("orders created", "orders_created"),
+    ("outbox messages", "outbox_messages"),
     ("event redeliveries", "redeliveries"),
     ("ledger entries", "ledger_entries"),
 ]
@@ -330,10 +358,15 @@ class Command(BaseCommand):
             )
         else:
             self.report(where, protected, unprotected)
-        if options["check"] and (protected.orders_created, protected.ledger_entries) != (1, 1):
+        outcome = (
+            protected.orders_created,
+            protected.outbox_messages,
+            protected.ledger_entries,
+        )
+        if options["check"] and outcome != (1, 1, 1):
             raise CommandError(
-                f"expected 1 order and 1 ledger entry with protection, got "
-                f"{protected.orders_created} and {protected.ledger_entries}"
+                "expected 1 order, 1 outbox message and 1 ledger entry with protection, got "
+                f"{outcome[0]}, {outcome[1]} and {outcome[2]}"
             )
 
     def report(self, where: str, protected: StormResult, unprotected: StormResult) -> None:
@@ -350,6 +383,13 @@ class Command(BaseCommand):
         for label, name in ROWS:
             left, right = getattr(protected, name), getattr(unprotected, name)
             write(f"{label:<24}{left:>25}{right:>22}")
+        if protected.relay_waiting:
+            write(
+                self.style.WARNING(
+                    "The order's outbox message is still pending: start a relay "
+                    "(python manage.py idempotency_relay) next to the worker."
+                )
+            )
         for result in (protected, unprotected):
             if result.network_retries:
                 write(

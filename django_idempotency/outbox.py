@@ -1,0 +1,192 @@
+"""The transactional outbox: an event leaves if and only if its transaction commits.
+
+.. code-block:: python
+
+    from django_idempotency import outbox
+
+    with transaction.atomic():
+        order = Order.objects.create(...)
+        outbox.publish(apply_order_confirmed, kwargs={"order_id": order.pk}, key=str(order.pk))
+        # or, to a topic through another transport:
+        outbox.send("orders.confirmed", {"order_id": order.pk}, key=str(order.pk),
+                    transport="kafka")
+
+:func:`publish` (a Celery task) and :func:`send` (any destination) write one
+:class:`~django_idempotency.models.OutboxEntry` row in the caller's transaction, on the database
+of the business data, and return the message's event id. They refuse to run outside
+``transaction.atomic``: there, the row would commit on its own and the point of the outbox (the
+message and the state change commit together) would be lost. If the transaction rolls back, the
+message is gone with it; if it commits, the relay (:mod:`django_idempotency.relay`) sends it, at
+least once, and the consumer's processed events turn that into exactly one effect.
+
+On PostgreSQL the insert also queues a ``NOTIFY`` on the relay's channel, in the same statement
+and the same transaction, so a waiting relay wakes when the transaction commits (and only then).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.db.transaction import TransactionManagementError
+from django.utils import timezone
+
+from django_idempotency.conf import conf
+from django_idempotency.events import (
+    EventId,
+    find_event_id,
+    new_event_id,
+    normalize_event_id,
+)
+from django_idempotency.models import OutboxEntry
+from django_idempotency.transports import celery_envelope
+
+if TYPE_CHECKING:
+    from celery import Task
+
+__all__ = ["NOTIFY_CHANNEL", "publish", "send"]
+
+NOTIFY_CHANNEL = "django_idempotency_outbox"
+"""The PostgreSQL ``LISTEN``/``NOTIFY`` channel that wakes relays."""
+
+MAX_NAME_LENGTH = 255
+
+
+def publish(
+    task: Task[Any, Any] | str,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    transport: str = "default",
+    using: str | None = None,
+    **options: Any,
+) -> str:
+    """Publish a Celery task call through the outbox, as ``task.apply_async(args, kwargs)``.
+
+    The event id is the ``event_id`` keyword argument, or the ``"event_id"`` key of a first
+    argument that is a mapping, when the call carries one; otherwise a new UUIDv7. The message
+    carries it as its task id and ``event_id`` header, where
+    :class:`~django_idempotency.celery.IdempotentConsumer` finds it.
+
+    :param task: the task, or its registered name.
+    :param args: positional arguments (JSON-serialisable).
+    :param kwargs: keyword arguments (JSON-serialisable).
+    :param key: the ordering key: messages with one key are sent in the order written.
+    :param headers: extra message headers (strings).
+    :param transport: a name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``.
+    :param using: the database alias; default the ``DATABASE`` setting.
+    :param options: ``queue``, ``routing_key``, ``exchange``, ``priority`` or ``expires``.
+    :returns: the event id.
+    :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
+    """
+    name = task if isinstance(task, str) else str(task.name)
+    envelope = celery_envelope(args, kwargs, options)
+    found = find_event_id(tuple(envelope["args"]), envelope["kwargs"])
+    return send(
+        name,
+        envelope,
+        key=key,
+        headers=headers,
+        transport=transport,
+        event_id=found,
+        using=using,
+    )
+
+
+def send(
+    destination: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    transport: str = "default",
+    event_id: EventId | None = None,
+    using: str | None = None,
+) -> str:
+    """Write one message for ``destination`` (a task name or a topic) in the current transaction.
+
+    :param payload: any JSON-serialisable value; the transport decides its wire form.
+    :param key: the ordering key (1 to 255 characters), or None for no order.
+    :param event_id: the event id; default a new UUIDv7.
+    :returns: the event id.
+    :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
+    :raises ValueError, TypeError: an invalid argument; nothing is written.
+    :raises ImproperlyConfigured: ``transport`` is not configured.
+    """
+    alias = using if using is not None else conf.DATABASE
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        raise TransactionManagementError(
+            f"outbox.send() and outbox.publish() must run inside transaction.atomic("
+            f"using={alias!r}), in the transaction that changes the state the message announces. "
+            "Outside one, the message would commit on its own."
+        )
+    event = str(new_event_id()) if event_id is None else normalize_event_id(event_id)
+    values = {
+        "event_id": event,
+        "destination": _name("destination", destination),
+        "transport": _transport(transport),
+        "payload": _json("payload", payload),
+        "headers": _headers(headers),
+        "ordering_key": None if key is None else _name("ordering key", key),
+        "state": OutboxEntry.State.PENDING,
+        "attempts": 0,
+        "last_error": "",
+        "created_at": timezone.now(),
+    }
+    fields = {field.name: field for field in OutboxEntry._meta.concrete_fields}
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(str(fields[name].column)) for name in values)
+    params: list[Any] = [
+        fields[name].get_db_prep_save(value, connection) for name, value in values.items()
+    ]
+    placeholders = ", ".join(["%s"] * len(params))
+    table = quote(OutboxEntry._meta.db_table)
+    if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
+        # One statement: the row, and a notification delivered when (and if) it commits.
+        # PostgreSQL folds identical notifications of one transaction into one.
+        sql = f"INSERT INTO {table} ({columns}) SELECT {placeholders} FROM pg_notify(%s, '')"
+        params.append(NOTIFY_CHANNEL)
+    else:
+        sql = f"INSERT INTO {table} ({columns}) VALUES ({placeholders})"
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+    return event
+
+
+def _name(what: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"The {what} must be a non-empty string, not {value!r}.")
+    if len(value) > MAX_NAME_LENGTH:
+        raise ValueError(f"The {what} is {len(value)} characters long; the most is 255.")
+    return value
+
+
+def _transport(name: object) -> str:
+    configured = conf.OUTBOX_TRANSPORTS
+    if not isinstance(name, str) or name not in configured:
+        raise ImproperlyConfigured(
+            f"No outbox transport named {name!r}. Configure it in "
+            f"IDEMPOTENCY['OUTBOX_TRANSPORTS'] (now: {', '.join(map(repr, configured))})."
+        )
+    return name
+
+
+def _json(what: str, value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"The {what} must be JSON-serialisable: {exc}.") from exc
+    return value
+
+
+def _headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    result = dict(headers or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in result.items()):
+        raise TypeError(f"Headers must map strings to strings, not {result!r}.")
+    return result

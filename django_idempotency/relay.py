@@ -1,0 +1,459 @@
+"""The outbox relay: sends committed outbox messages through their transport, then marks them sent.
+
+One batch (:meth:`Relay.run_once`) takes three steps:
+
+1. **Claim**, in a short transaction: select pending rows that are due, in id order, with
+   ``FOR UPDATE SKIP LOCKED`` where the database has it (PostgreSQL, MariaDB 10.6+, MySQL 8), so
+   relays running at once take different rows and never wait on each other. SQLite has no row
+   locks: the claim opens with ``BEGIN IMMEDIATE``, which serialises relays on the file lock.
+   Then keep only rows that may go now (see *Ordering*), and lease them: ``locked_until`` moves
+   ``lease`` seconds ahead and ``attempts`` goes up by one. The transaction commits.
+2. **Send** the claimed messages through their transports, outside any transaction.
+3. **Record**, in a second short transaction: acknowledged messages become ``sent`` (with
+   ``expires_at = sent_at + OUTBOX_TTL``, for the purge); failed ones get ``available_at`` after
+   an exponential backoff with jitter, and after ``OUTBOX_MAX_ATTEMPTS`` attempts they are
+   ``parked``: never dropped, shown in the admin, sent again only when someone requeues them.
+
+A relay that dies between 1 and 3 (a SIGKILL, a lost host) leaves its rows leased: once the
+lease runs out another relay takes them and sends them again. Delivery is therefore *at least
+once*; the consumer's processed events (:mod:`django_idempotency.events`) make the effect once.
+
+Ordering
+--------
+A message with an ordering key is claimed only when every unsent (pending or parked) message with
+that key and a smaller id is in the same claim and goes through the same transport. So the first
+unsent message of a key blocks the ones after it, whether it is leased by another relay, waiting
+out a backoff, or parked; a batch may carry a run of one key's messages, which the transport sends
+in order, stopping at the first failure. Several relays never send one key's messages out of
+order, because a message is sent only after all earlier ones of its key were acknowledged.
+
+"Earlier" is id order as the relay sees committed rows. Two transactions that write the same key
+at the same time are ordered by the order in which they commit, as far as the relay can tell
+(ids are taken at insert time, so a message with a smaller id that commits later is sent after
+the other). Serialise such writers on the aggregate (``select_for_update`` on the order row)
+when their order matters.
+
+Waking up
+---------
+:meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
+``poll_interval`` seconds. On PostgreSQL it also ``LISTEN``\\ s on the outbox channel, and the
+producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only costs one
+poll interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import DatabaseError, connections, transaction
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F, Q
+from django.utils import timezone
+
+from django_idempotency.conf import conf
+from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox import NOTIFY_CHANNEL
+from django_idempotency.transports import OutboxMessage, Transport, get_transport
+
+__all__ = ["BatchResult", "Relay"]
+
+logger = logging.getLogger(__name__)
+
+PENDING, SENT, PARKED = (
+    OutboxEntry.State.PENDING,
+    OutboxEntry.State.SENT,
+    OutboxEntry.State.PARKED,
+)
+UNSENT = (PENDING, PARKED)
+ERROR_CHARS = 2000
+WAIT_SLICE = 0.5
+"""The longest a wait blocks without checking whether the relay was asked to stop."""
+
+
+@dataclass
+class BatchResult:
+    """What one or more batches did."""
+
+    claimed: int = 0
+    sent: int = 0
+    failed: int = 0
+    """Attempts that failed and will be retried (parked ones not included)."""
+    parked: int = 0
+    released: int = 0
+    """Messages put back without an attempt counted: behind a failed message of their key."""
+    batches: int = 0
+
+    def add(self, other: BatchResult) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Relay:
+    """Sends the outbox of one database.
+
+    :param using: the database alias; default the ``DATABASE`` setting.
+    :param batch_size: the most messages claimed (and sent) per batch.
+    :param lease: seconds a claim is held; a relay that has not recorded its batch by then is
+        presumed dead, and others may send the messages again. Keep it above the longest send.
+    :param backoff: seconds before the first retry; each further failure doubles it.
+    :param max_backoff: the longest wait between two attempts.
+    :param max_attempts: attempts before a message is parked; default ``OUTBOX_MAX_ATTEMPTS``.
+    :param transports: transports by name, instead of those built from
+        ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]`` (for tests and embedding).
+    """
+
+    def __init__(
+        self,
+        *,
+        using: str | None = None,
+        batch_size: int = 500,
+        lease: float = 60.0,
+        backoff: float = 1.0,
+        max_backoff: float = 300.0,
+        max_attempts: int | None = None,
+        transports: Mapping[str, Transport] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, not {batch_size!r}.")
+        if lease <= 0 or backoff <= 0 or max_backoff < backoff:
+            raise ValueError("lease and backoff must be positive, and max_backoff >= backoff.")
+        self.using = using if using is not None else conf.DATABASE
+        self.batch_size = batch_size
+        self.lease = timedelta(seconds=lease)
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.max_attempts = max_attempts if max_attempts is not None else conf.OUTBOX_MAX_ATTEMPTS
+        self._transports = dict(transports) if transports is not None else None
+        self._stopping = threading.Event()
+
+    # --- One batch ----------------------------------------------------------------------------
+
+    def run_once(self) -> BatchResult:
+        """Claim, send and record one batch; returns what it did (all zeros when idle)."""
+        claimed = self._claim()
+        result = BatchResult(claimed=len(claimed), batches=1 if claimed else 0)
+        if not claimed:
+            return result
+        outcomes = self._send(claimed)
+        self._record(claimed, outcomes, result)
+        return result
+
+    def drain(self, max_seconds: float | None = None) -> BatchResult:
+        """Run batches until nothing is due (or ``max_seconds`` have passed, or :meth:`stop`)."""
+        total = BatchResult()
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        while not self._stopping.is_set():
+            result = self.run_once()
+            total.add(result)
+            if not result.sent and result.claimed < self.batch_size:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        return total
+
+    def _claim(self) -> list[OutboxEntry]:
+        connection = connections[self.using]
+        now = timezone.now()
+        with _claim_transaction(connection):
+            queryset = (
+                OutboxEntry.objects.using(self.using)
+                .filter(state=PENDING)
+                .filter(Q(available_at__isnull=True) | Q(available_at__lte=now))
+                .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=now))
+                .order_by("id")
+            )
+            if connection.features.has_select_for_update_skip_locked:
+                queryset = queryset.select_for_update(skip_locked=True)
+            candidates = list(queryset[: self.batch_size])
+            if not candidates:
+                return []
+            chosen = self._in_order(candidates)
+            if chosen:
+                OutboxEntry.objects.using(self.using).filter(
+                    id__in=[row.pk for row in chosen]
+                ).update(locked_until=now + self.lease, attempts=F("attempts") + 1)
+        for row in chosen:
+            row.attempts += 1
+        return chosen
+
+    def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
+        """The candidates that may go now without overtaking an unsent message of their key."""
+        by_id = {row.pk: row for row in candidates}
+        keys = {row.ordering_key for row in candidates if row.ordering_key is not None}
+        allowed: set[int] = set()
+        if keys:
+            unsent = (
+                OutboxEntry.objects.using(self.using)
+                .filter(ordering_key__in=keys, state__in=UNSENT, id__lte=max(by_id))
+                .order_by("id")
+                .values_list("id", "ordering_key")
+            )
+            blocked: set[str] = set()
+            transport_of: dict[str, str] = {}
+            for pk, key in unsent:
+                assert key is not None  # filtered on ordering_key__in
+                if key in blocked:
+                    continue
+                row = by_id.get(pk)
+                if row is None or transport_of.setdefault(key, row.transport) != row.transport:
+                    blocked.add(key)  # an earlier message of the key is not in this claim
+                else:
+                    allowed.add(pk)
+        return [row for row in candidates if row.ordering_key is None or row.pk in allowed]
+
+    def _send(self, rows: list[OutboxEntry]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(rows)
+        groups: dict[str, list[int]] = {}
+        for index, row in enumerate(rows):
+            groups.setdefault(row.transport, []).append(index)
+        for name, indexes in groups.items():
+            messages = [_message(rows[index]) for index in indexes]
+            try:
+                transport = self._transport(name)
+                results = transport.send(messages)
+                if len(results) != len(messages):
+                    raise RuntimeError(
+                        f"transport {name!r} returned {len(results)} results for "
+                        f"{len(messages)} messages"
+                    )
+            except Exception as exc:
+                logger.exception("outbox transport %r failed on a batch", name)
+                results = [exc] * len(messages)
+            for index, outcome in zip(indexes, results, strict=True):
+                outcomes[index] = outcome
+        return outcomes
+
+    def _transport(self, name: str) -> Transport:
+        if self._transports is not None:
+            if name not in self._transports:
+                raise LookupError(f"this relay has no transport named {name!r}")
+            return self._transports[name]
+        return get_transport(name)
+
+    def _record(
+        self,
+        rows: list[OutboxEntry],
+        outcomes: Sequence[BaseException | None],
+        result: BatchResult,
+    ) -> None:
+        now = timezone.now()
+        sent: list[int] = []
+        released: list[int] = []
+        failures: list[tuple[OutboxEntry, BaseException]] = []
+        failed_keys: set[str] = set()
+        for row, outcome in zip(rows, outcomes, strict=True):
+            if row.ordering_key is not None and row.ordering_key in failed_keys:
+                released.append(row.pk)  # behind a failure: never sent ahead of it
+            elif outcome is None:
+                sent.append(row.pk)
+            else:
+                failures.append((row, outcome))
+                if row.ordering_key is not None:
+                    failed_keys.add(row.ordering_key)
+        queryset = OutboxEntry.objects.using(self.using)
+        with transaction.atomic(using=self.using):
+            if sent:
+                queryset.filter(id__in=sent).update(
+                    state=SENT,
+                    sent_at=now,
+                    expires_at=now + conf.OUTBOX_TTL,
+                    locked_until=None,
+                    last_error="",
+                )
+            if released:
+                queryset.filter(id__in=released).update(
+                    locked_until=None, attempts=F("attempts") - 1
+                )
+            for row, error in failures:
+                text = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
+                if row.attempts >= self.max_attempts:
+                    queryset.filter(pk=row.pk).update(
+                        state=PARKED, locked_until=None, last_error=text
+                    )
+                    result.parked += 1
+                    logger.error(
+                        "OUTBOX MESSAGE PARKED after %d attempts: event %s to %s (%s). Its "
+                        "ordering key waits until it is requeued in the admin. Last error: %s",
+                        row.attempts,
+                        row.event_id,
+                        row.destination,
+                        row.transport,
+                        text,
+                    )
+                else:
+                    queryset.filter(pk=row.pk).update(
+                        available_at=now + timedelta(seconds=self._delay(row.attempts)),
+                        locked_until=None,
+                        last_error=text,
+                    )
+                    result.failed += 1
+                    logger.warning(
+                        "outbox message not sent (attempt %d of %d), retried later: event %s "
+                        "to %s: %s",
+                        row.attempts,
+                        self.max_attempts,
+                        row.event_id,
+                        row.destination,
+                        text,
+                    )
+        result.sent += len(sent)
+        result.released += len(released)
+
+    def _delay(self, attempts: int) -> float:
+        """Exponential backoff with jitter: between half and all of backoff * 2**(attempts-1)."""
+        ceiling = min(self.max_backoff, self.backoff * 2 ** min(attempts - 1, 30))
+        return float(ceiling * (0.5 + random.random() / 2))
+
+    # --- The long-running loop ------------------------------------------------------------------
+
+    def serve(
+        self,
+        poll_interval: float = 1.0,
+        *,
+        on_batch: Callable[[BatchResult], None] | None = None,
+    ) -> BatchResult:
+        """Send until :meth:`stop` is called; returns the totals.
+
+        After a batch that sent something it goes on at once; when nothing was due it waits
+        ``poll_interval`` seconds, or until a ``NOTIFY`` on PostgreSQL. A database error is
+        logged, the connection closed, and the loop goes on after a wait.
+        """
+        total = BatchResult()
+        listener = _Listener.open(self.using)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    result = self.run_once()
+                except DatabaseError:
+                    logger.exception("outbox relay: database error; retrying after a pause")
+                    connections[self.using].close()
+                    self._wait(None, poll_interval)
+                    continue
+                total.add(result)
+                if on_batch is not None and result.claimed:
+                    on_batch(result)
+                if result.sent or result.claimed >= self.batch_size:
+                    continue
+                self._wait(listener, poll_interval)
+        finally:
+            if listener is not None:
+                listener.close()
+        return total
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` or :meth:`drain` to return after the current batch."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def _wait(self, listener: _Listener | None, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if listener is None:
+                self._stopping.wait(min(left, WAIT_SLICE))
+            elif listener.wait(min(left, WAIT_SLICE)):
+                return
+
+
+def _message(row: OutboxEntry) -> OutboxMessage:
+    return OutboxMessage(
+        id=row.pk,
+        event_id=row.event_id,
+        destination=row.destination,
+        payload=row.payload,
+        headers=dict(row.headers or {}),
+        ordering_key=row.ordering_key,
+        created_at=row.created_at,
+        attempts=row.attempts,
+    )
+
+
+@contextmanager
+def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
+    """The claim's transaction: ``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL."""
+    if connection.vendor == "sqlite":
+        # Take the write lock first, so two relays serialise instead of both reading the same
+        # rows (SQLite has no SELECT ... FOR UPDATE).
+        if connection.in_atomic_block:
+            with transaction.atomic(using=connection.alias):
+                yield
+            return
+        connection.ensure_connection()
+        with connection.cursor() as cursor:
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                cursor.execute("ROLLBACK")
+                raise
+            cursor.execute("COMMIT")
+        return
+    outermost = not connection.in_atomic_block
+    with transaction.atomic(using=connection.alias):
+        if connection.vendor == "mysql" and outermost:
+            # No gap locks: under REPEATABLE READ, the claim's locking read would block
+            # producers inserting new messages until it commits.
+            with connection.cursor() as cursor:
+                cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        yield
+
+
+class _Listener:
+    """A connection of its own that ``LISTEN``\\ s on the outbox channel (PostgreSQL only)."""
+
+    def __init__(self, wrapper: BaseDatabaseWrapper) -> None:
+        self.wrapper = wrapper
+        self.lost = False
+
+    @classmethod
+    def open(cls, using: str) -> _Listener | None:
+        if connections[using].vendor != "postgresql" or not conf.OUTBOX_NOTIFY:
+            return None
+        wrapper = connections.create_connection(using)
+        try:
+            wrapper.ensure_connection()
+            wrapper.set_autocommit(True)
+            with wrapper.cursor() as cursor:
+                cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
+        except DatabaseError:
+            logger.exception("outbox relay: cannot LISTEN; polling only")
+            wrapper.close()
+            return None
+        return cls(wrapper)
+
+    def wait(self, seconds: float) -> bool:
+        """True if a notification arrived within ``seconds`` (pending ones are drained too)."""
+        if self.lost:
+            time.sleep(seconds)
+            return False
+        raw: Any = self.wrapper.connection
+        try:
+            woke = any(True for _ in raw.notifies(timeout=seconds, stop_after=1))
+            if woke:
+                for _ in raw.notifies(timeout=0.0):
+                    pass
+        except Exception:
+            logger.exception("outbox relay: LISTEN connection lost; polling only from now on")
+            self.lost = True
+            self.close()
+            return False
+        return woke
+
+    def close(self) -> None:
+        self.wrapper.close()

@@ -1,0 +1,213 @@
+"""Real processes for the outbox proofs: relays, a producer that dies after COMMIT, a TCP proxy
+that plays a broker going down and coming back, and transports that crash or log their timing.
+
+Relays run as ``manage.py idempotency_relay`` subprocesses against the test database, with their
+transports passed as JSON in ``IDEMPOTENCY_OUTBOX_TRANSPORTS`` (read by testproject/settings.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django_idempotency.transports import CeleryTransport, OutboxMessage
+
+REPO = Path(__file__).resolve().parent.parent
+CELERY_BACKEND = "django_idempotency.transports.CeleryTransport"
+
+
+def celery_transports(broker_url: str, backend: str = CELERY_BACKEND, **options: Any) -> str:
+    """``IDEMPOTENCY_OUTBOX_TRANSPORTS`` for one Celery transport to ``broker_url``."""
+    return json.dumps(
+        {"default": {"BACKEND": backend, "OPTIONS": {"broker_url": broker_url, **options}}}
+    )
+
+
+@dataclass
+class Process:
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+        if self.process.poll() is None:
+            with suppress(ProcessLookupError):
+                os.kill(self.process.pid, sig)
+        with suppress(subprocess.TimeoutExpired):
+            return self.process.wait(timeout)
+        with suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        return self.process.wait(5)
+
+
+def start(
+    command: list[str], *, db_url: str, env: Mapping[str, str], log: Path, broker_url: str
+) -> Process:
+    full_env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": db_url,
+        "CELERY_BROKER_URL": broker_url,  # not eager
+        "PYTHONUNBUFFERED": "1",
+        **env,
+    }
+    full_env.pop("COV_CORE_SOURCE", None)
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=full_env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Process(process, log)
+
+
+def start_relay(*args: str, db_url: str, transports: str, log: Path, broker_url: str) -> Process:
+    """``manage.py idempotency_relay ARGS`` with the given transports."""
+    return start(
+        [sys.executable, "manage.py", "idempotency_relay", *args],
+        db_url=db_url,
+        env={"IDEMPOTENCY_OUTBOX_TRANSPORTS": transports},
+        log=log,
+        broker_url=broker_url,
+    )
+
+
+def wait_for(
+    predicate: Callable[[], bool], timeout: float, what: str, logs: Callable[[], str]
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs()}")
+        time.sleep(0.1)
+
+
+# --- A broker that goes away and comes back ---------------------------------------------------
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to a broker; ``stop()`` makes the port refuse connections."""
+
+    def __init__(self, target: tuple[str, int], port: int) -> None:
+        self.target = target
+        self.port = port
+        self._server: socket.socket | None = None
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", self.port))
+        server.listen(64)
+        self._server = server
+        threading.Thread(target=self._accept, args=(server,), daemon=True).start()
+
+    def stop(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+            sockets, self._sockets = self._sockets, []
+        if server is not None:
+            server.close()
+        for sock in sockets:
+            with suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self, server: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return  # stopped
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+
+@contextmanager
+def proxy(target: tuple[str, int], port: int) -> Iterator[TcpProxy]:
+    subject = TcpProxy(target, port)
+    try:
+        yield subject
+    finally:
+        subject.stop()
+
+
+# --- Transports for the crash and ordering proofs ----------------------------------------------
+
+
+class CrashingTransport(CeleryTransport):
+    """Publishes ``kill_after`` messages of its first batch, then SIGKILLs its own process.
+
+    Only the first relay that finds ``marker`` absent crashes; later relays send normally.
+    """
+
+    def __init__(self, *, kill_after: int, marker: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.kill_after = kill_after
+        self.marker = marker
+
+    def send(self, messages: Any) -> list[BaseException | None]:
+        try:
+            Path(self.marker).touch(exist_ok=False)
+        except FileExistsError:
+            return super().send(messages)
+        results = super().send(messages[: self.kill_after])
+        assert all(result is None for result in results), results
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable")
+
+
+class TimedTransport(CeleryTransport):
+    """Logs, per message, when its publish started and when the broker acknowledged it."""
+
+    def __init__(self, *, log: str, **options: Any) -> None:
+        super().__init__(**options)
+        self.log = log
+
+    def _publish(self, message: OutboxMessage) -> None:
+        started = time.time_ns()
+        super()._publish(message)
+        acked = time.time_ns()
+        kwargs = message.payload["kwargs"]
+        line = json.dumps([kwargs["key"], kwargs["seq"], started, acked, os.getpid()])
+        with open(self.log, "a") as out:
+            out.write(line + "\n")

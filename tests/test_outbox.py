@@ -1,0 +1,223 @@
+"""``outbox.publish`` and ``outbox.send``: one row in the caller's transaction, or nothing.
+
+Runs on every backend. The NOTIFY tests run in the PostgreSQL pass: a second connection
+``LISTEN``\\ s and sees the notification only once the producer's transaction commits.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection, connections, transaction
+from django.db.transaction import TransactionManagementError
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_idempotency import new_event_id, outbox
+from django_idempotency.models import OutboxEntry
+from testproject.shop.models import Order
+from testproject.shop.tasks import apply_order_confirmed
+
+pytestmark = pytest.mark.django_db
+
+
+def only_row() -> OutboxEntry:
+    (row,) = OutboxEntry.objects.all()
+    return row
+
+
+@pytest.mark.django_db(transaction=True)
+def test_publish_outside_a_transaction_is_refused_and_writes_nothing() -> None:
+    with pytest.raises(TransactionManagementError, match=r"inside transaction\.atomic"):
+        outbox.publish(apply_order_confirmed, args=[{"order_id": 1}])
+    assert not OutboxEntry.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_send_outside_a_transaction_is_refused() -> None:
+    with pytest.raises(TransactionManagementError):
+        outbox.send("orders.confirmed", {"order_id": 1})
+
+
+def test_publish_writes_one_pending_row_with_a_uuid7_event_id() -> None:
+    with transaction.atomic():
+        event_id = outbox.publish(
+            apply_order_confirmed,
+            args=[{"order_id": 7}],
+            key="order-7",
+            headers={"tenant": "acme"},
+            queue="billing",
+        )
+
+    row = only_row()
+    assert uuid.UUID(event_id).version == 7
+    assert row.event_id == event_id
+    assert row.destination == "billing.apply_order_confirmed"
+    assert row.transport == "default"
+    assert row.payload == {
+        "args": [{"order_id": 7}],
+        "kwargs": {},
+        "options": {"queue": "billing"},
+    }
+    assert row.headers == {"tenant": "acme"}
+    assert row.ordering_key == "order-7"
+    assert (row.state, row.attempts, row.available_at, row.locked_until) == (
+        "pending",
+        0,
+        None,
+        None,
+    )
+    assert row.sent_at is None
+    assert row.expires_at is None  # pending rows never expire
+
+
+def test_publish_keeps_the_event_id_the_call_already_carries() -> None:
+    in_kwargs, in_mapping = str(new_event_id()), str(new_event_id())
+    with transaction.atomic():
+        first = outbox.publish("shop.effect", kwargs={"event_id": in_kwargs})
+        second = outbox.publish(apply_order_confirmed, args=[{"event_id": in_mapping}])
+
+    assert (first, second) == (in_kwargs, in_mapping)
+    assert set(OutboxEntry.objects.values_list("event_id", flat=True)) == {in_kwargs, in_mapping}
+
+
+def test_send_writes_a_topic_message() -> None:
+    event_id = uuid.uuid4()
+    with transaction.atomic():
+        returned = outbox.send("orders.confirmed", {"order_id": 3}, key="3", event_id=event_id)
+
+    row = only_row()
+    assert returned == row.event_id == str(event_id)
+    assert (row.destination, row.payload, row.ordering_key) == (
+        "orders.confirmed",
+        {"order_id": 3},
+        "3",
+    )
+
+
+def test_rolled_back_transaction_publishes_nothing() -> None:
+    class Abort(Exception):
+        pass
+
+    with pytest.raises(Abort), transaction.atomic():
+        Order.objects.create(reference="R-1", amount_cents=100)
+        outbox.publish(apply_order_confirmed, args=[{"order_id": 1}])
+        raise Abort
+
+    assert not OutboxEntry.objects.exists()
+    assert not Order.objects.exists()
+
+
+def test_a_rolled_back_savepoint_takes_its_message_with_it() -> None:
+    with transaction.atomic():
+        outbox.send("kept", {})
+        try:
+            with transaction.atomic():
+                outbox.send("dropped", {})
+                raise ValueError
+        except ValueError:
+            pass
+
+    assert list(OutboxEntry.objects.values_list("destination", flat=True)) == ["kept"]
+
+
+def test_publish_is_one_statement() -> None:
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        outbox.publish("shop.effect", kwargs={"x": 1})
+    statements = [q["sql"] for q in queries.captured_queries if "INSERT" in q["sql"]]
+    assert len(statements) == 1
+    if connection.vendor == "postgresql":
+        assert "pg_notify" in statements[0]
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: outbox.send("", {}), ValueError, "destination"),
+        (lambda: outbox.send("x" * 256, {}), ValueError, "255"),
+        (lambda: outbox.send("t", {"when": object()}), TypeError, "JSON-serialisable"),
+        (lambda: outbox.send("t", {}, key=""), ValueError, "ordering key"),
+        (lambda: outbox.send("t", {}, headers={"a": 1}), TypeError, "strings"),  # type: ignore[dict-item]
+        (lambda: outbox.send("t", {}, event_id=""), ValueError, "empty"),
+        (lambda: outbox.send("t", {}, transport="kafka"), ImproperlyConfigured, "kafka"),
+        (lambda: outbox.publish("t", countdown=5), TypeError, "countdown"),
+    ],
+    ids=[
+        "empty-destination",
+        "long-destination",
+        "not-json",
+        "empty-key",
+        "header-not-str",
+        "empty-event-id",
+        "unknown-transport",
+        "unsupported-option",
+    ],
+)
+def test_bad_input_raises_a_clear_error_and_writes_nothing(
+    call: Any, error: type[Exception], match: str
+) -> None:
+    with transaction.atomic():
+        with pytest.raises(error, match=match):
+            call()
+        # The transaction is still usable: the error came before any statement.
+        outbox.send("after", {})
+    assert list(OutboxEntry.objects.values_list("destination", flat=True)) == ["after"]
+
+
+def test_a_named_transport_is_stored() -> None:
+    transports = {
+        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "kafka": {"BACKEND": "tests.test_relay.RecordingTransport"},
+    }
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}), transaction.atomic():
+        outbox.send("orders.confirmed", {}, transport="kafka")
+    assert only_row().transport == "kafka"
+
+
+# --- NOTIFY (PostgreSQL) --------------------------------------------------------------------
+
+
+def listener() -> Any:
+    wrapper = connections.create_connection("default")
+    wrapper.ensure_connection()
+    wrapper.set_autocommit(True)
+    with wrapper.cursor() as cursor:
+        cursor.execute(f"LISTEN {outbox.NOTIFY_CHANNEL}")
+    return wrapper
+
+
+def notifications(wrapper: Any, timeout: float) -> int:
+    return sum(1 for _ in wrapper.connection.notifies(timeout=timeout, stop_after=10))
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_notify_arrives_on_commit_once_per_transaction() -> None:
+    wrapper = listener()
+    try:
+        with transaction.atomic():
+            for index in range(3):
+                outbox.send("orders.confirmed", {"n": index})
+            assert notifications(wrapper, 0.3) == 0  # nothing before COMMIT
+        assert notifications(wrapper, 2.0) == 1  # identical notifications folded into one
+    finally:
+        wrapper.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_no_notify_for_a_rollback_or_when_turned_off() -> None:
+    wrapper = listener()
+    try:
+        with pytest.raises(ZeroDivisionError), transaction.atomic():
+            outbox.send("orders.confirmed", {})
+            1 / 0  # noqa: B018
+        with override_settings(IDEMPOTENCY={"OUTBOX_NOTIFY": False}), transaction.atomic():
+            outbox.send("orders.confirmed", {})
+        assert notifications(wrapper, 0.5) == 0
+        assert OutboxEntry.objects.count() == 1
+    finally:
+        wrapper.close()

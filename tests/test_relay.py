@@ -1,0 +1,418 @@
+"""The relay's decisions, against the real database, with an in-process transport.
+
+Claim, send, record; ordering keys never overtaken (a failure, a backoff, a lease or a parked
+message blocks the messages after it); backoff, parking, requeue; the command and the beat task.
+Real brokers and real processes are in ``test_outbox_proofs.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.core.checks import run_checks
+from django.core.management import call_command
+from django.db import close_old_connections, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from django_idempotency import outbox
+from django_idempotency.managers import purge_all
+from django_idempotency.models import OutboxEntry
+from django_idempotency.relay import Relay
+from django_idempotency.tasks import relay_outbox
+from django_idempotency.transports import (
+    OutboxMessage,
+    Transport,
+    build_transport,
+    close_transports,
+    get_transport,
+)
+
+pytestmark = pytest.mark.django_db
+
+
+class RecordingTransport:
+    """Acknowledges every message (or fails the ones ``fail`` picks) and remembers the calls."""
+
+    def __init__(self, fail: Callable[[OutboxMessage], BaseException | None] | None = None):
+        self.fail = fail
+        self.calls: list[list[OutboxMessage]] = []
+        self.closed = False
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        self.calls.append(list(messages))
+        results: list[BaseException | None] = []
+        failed: set[str] = set()
+        for message in messages:
+            if message.ordering_key is not None and message.ordering_key in failed:
+                results.append(RuntimeError("behind a failure"))
+                continue
+            error = self.fail(message) if self.fail else None
+            if error is not None and message.ordering_key is not None:
+                failed.add(message.ordering_key)
+            results.append(error)
+        return results
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def sent(self) -> list[str]:
+        return [m.destination for call in self.calls for m in call]
+
+
+def write(*destinations: str, key: str | None = None, transport: str = "default") -> list[str]:
+    with transaction.atomic():
+        return [outbox.send(d, {"d": d}, key=key, transport=transport) for d in destinations]
+
+
+def states() -> dict[str, str]:
+    return dict(OutboxEntry.objects.values_list("destination", "state"))
+
+
+def relay(transport: Transport, **kwargs: Any) -> Relay:
+    return Relay(transports={"default": transport}, backoff=0.001, max_backoff=0.001, **kwargs)
+
+
+def test_idle_relay_does_nothing() -> None:
+    result = relay(RecordingTransport()).run_once()
+    assert (result.claimed, result.sent, result.batches) == (0, 0, 0)
+
+
+def test_sends_in_id_order_then_marks_sent_with_an_expiry() -> None:
+    write("a", "b", key="k")
+    write("c")
+    transport = RecordingTransport()
+
+    result = relay(transport).run_once()
+
+    assert (result.claimed, result.sent) == (3, 3)
+    assert transport.sent == ["a", "b", "c"]
+    message = transport.calls[0][0]
+    assert (message.attempts, message.ordering_key, message.payload) == (1, "k", {"d": "a"})
+    for row in OutboxEntry.objects.all():
+        assert row.state == "sent"
+        assert row.sent_at is not None and row.expires_at is not None
+        assert row.expires_at - row.sent_at == timedelta(days=7)
+        assert row.locked_until is None
+    assert relay(transport).run_once().claimed == 0  # sent once
+
+
+def test_batch_size_bounds_a_batch_and_drain_empties_the_outbox() -> None:
+    write(*[f"m{i}" for i in range(7)])
+    transport = RecordingTransport()
+
+    assert relay(transport, batch_size=3).run_once().sent == 3
+    total = relay(transport, batch_size=3).drain()
+
+    assert (total.sent, total.batches) == (4, 2)
+    assert transport.sent == [f"m{i}" for i in range(7)]
+
+
+def test_a_failure_blocks_the_rest_of_its_key_but_not_other_keys() -> None:
+    write("k1", "k2", "k3", key="k")
+    write("other")
+    transport = RecordingTransport(
+        lambda m: ConnectionError("nope") if m.destination == "k2" else None
+    )
+
+    result = relay(transport).run_once()
+
+    assert (result.sent, result.failed, result.released) == (2, 1, 1)
+    assert states() == {"k1": "sent", "k2": "pending", "k3": "pending", "other": "sent"}
+    k2 = OutboxEntry.objects.get(destination="k2")
+    k3 = OutboxEntry.objects.get(destination="k3")
+    assert (k2.attempts, k2.last_error) == (1, "ConnectionError: nope")
+    assert k2.available_at is not None
+    assert (k3.attempts, k3.last_error, k3.available_at) == (0, "", None)  # not counted
+
+
+def test_the_relay_never_marks_sent_a_message_behind_a_failure() -> None:
+    """Even if a transport breaks the contract and acknowledges it."""
+    write("first", "second", key="k")
+
+    def only_first_fails(message: OutboxMessage) -> BaseException | None:
+        return OSError("down") if message.destination == "first" else None
+
+    class Careless(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            self.calls.append(list(messages))
+            return [only_first_fails(m) for m in messages]
+
+    relay(Careless()).run_once()
+
+    assert states() == {"first": "pending", "second": "pending"}
+
+
+def test_a_message_in_backoff_blocks_its_key() -> None:
+    write("first", key="k")
+    failing = RecordingTransport(lambda m: OSError("down"))
+    Relay(transports={"default": failing}, backoff=3600, max_backoff=3600).run_once()
+    write("second", key="k")
+    write("free")
+    transport = RecordingTransport()
+
+    relay(transport).run_once()
+
+    assert transport.sent == ["free"]
+    assert states() == {"first": "pending", "second": "pending", "free": "sent"}
+
+
+def test_retries_after_the_backoff_and_succeeds() -> None:
+    write("m", key="k")
+    flaky = iter([OSError("down"), None])
+    transport = RecordingTransport(lambda m: next(flaky))
+
+    first = Relay(transports={"default": transport}, backoff=0.05, max_backoff=0.05)
+    assert first.run_once().failed == 1
+    assert first.run_once().claimed == 0  # still in backoff
+    OutboxEntry.objects.update(available_at=timezone.now() - timedelta(seconds=1))
+    assert first.run_once().sent == 1
+    row = OutboxEntry.objects.get()
+    assert (row.state, row.attempts, row.last_error) == ("sent", 2, "")
+
+
+def test_backoff_doubles_with_jitter_and_is_capped() -> None:
+    subject = Relay(backoff=1.0, max_backoff=10.0)
+    for attempts, ceiling in [(1, 1), (2, 2), (3, 4), (4, 8), (5, 10), (40, 10)]:
+        delays = [subject._delay(attempts) for _ in range(50)]
+        assert all(ceiling / 2 <= d <= ceiling for d in delays)
+
+
+def test_parked_after_the_cap_never_dropped_and_blocking_its_key() -> None:
+    write("poison", "next", key="k")
+    transport = RecordingTransport(
+        lambda m: ValueError("bad") if m.destination == "poison" else None
+    )
+    subject = relay(transport, max_attempts=3)
+
+    for _ in range(3):
+        OutboxEntry.objects.update(available_at=None)
+        subject.run_once()
+
+    poison = OutboxEntry.objects.get(destination="poison")
+    assert (poison.state, poison.attempts, poison.last_error) == ("parked", 3, "ValueError: bad")
+    assert poison.expires_at is None  # never purged
+    assert subject.run_once().claimed == 0  # "next" waits behind the parked message
+    assert states()["next"] == "pending"
+    purge_all()
+    assert OutboxEntry.objects.count() == 2
+
+    # Requeued (the admin action does this), it goes again, and "next" follows.
+    OutboxEntry.objects.filter(state="parked").update(state="pending", attempts=0)
+    transport.fail = None
+    assert subject.drain().sent == 2
+    assert transport.sent[-2:] == ["poison", "next"]
+
+
+def test_a_leased_message_is_not_taken_until_its_lease_runs_out() -> None:
+    write("a", "b", key="k")
+
+    class Dies(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            raise KeyboardInterrupt  # the relay dies mid-batch: nothing recorded
+
+    with pytest.raises(KeyboardInterrupt):
+        relay(Dies(), lease=3600).run_once()
+
+    other = RecordingTransport()
+    assert relay(other).run_once().claimed == 0  # leased, and "b" waits behind "a"
+    OutboxEntry.objects.update(locked_until=timezone.now() - timedelta(seconds=1))
+    assert relay(other).run_once().sent == 2
+    assert other.sent == ["a", "b"]
+    assert OutboxEntry.objects.get(destination="a").attempts == 2  # the lost attempt counts
+
+
+def test_a_key_spanning_two_transports_keeps_its_order() -> None:
+    transports = {
+        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
+    }
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
+        write("d1", key="k")
+        write("o1", key="k", transport="other")
+        write("d2", key="k")
+    default, other = RecordingTransport(), RecordingTransport()
+    subject = Relay(transports={"default": default, "other": other})
+
+    assert subject.run_once().sent == 1
+    assert subject.run_once().sent == 1
+    assert subject.run_once().sent == 1
+    assert (default.sent, other.sent) == (["d1", "d2"], ["o1"])
+    by_time = OutboxEntry.objects.order_by("sent_at", "id")
+    assert list(by_time.values_list("destination", flat=True)) == ["d1", "o1", "d2"]
+
+
+def test_a_transport_that_raises_fails_its_batch_and_nothing_is_lost() -> None:
+    write("a", "b")
+
+    class Broken(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            raise RuntimeError("bug in the transport")
+
+    result = relay(Broken()).run_once()
+
+    assert (result.failed, result.sent) == (2, 0)
+    assert set(OutboxEntry.objects.values_list("last_error", flat=True)) == {
+        "RuntimeError: bug in the transport"
+    }
+
+
+def test_an_unknown_transport_name_fails_the_message_with_the_reason() -> None:
+    write("a")
+    OutboxEntry.objects.update(transport="gone")
+
+    relay(RecordingTransport()).run_once()
+
+    assert "no transport named 'gone'" in OutboxEntry.objects.get().last_error
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_relays_in_threads_send_each_message_once_in_key_order() -> None:
+    for key in range(10):
+        write(*[f"{key}:{seq}" for seq in range(20)], key=str(key))
+    write(*[f"free:{n}" for n in range(50)])
+    sent: list[str] = []
+    lock = threading.Lock()
+
+    class Shared(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            with lock:
+                sent.extend(m.destination for m in messages)
+            return [None] * len(messages)
+
+    def run() -> None:
+        try:
+            Relay(transports={"default": Shared()}, batch_size=7).drain()
+        finally:
+            close_old_connections()
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    Relay(transports={"default": Shared()}).drain()  # what the two left behind a lease, if any
+
+    assert sorted(sent) == sorted(set(sent)) and len(sent) == 250
+    for key in range(10):
+        assert [d for d in sent if d.startswith(f"{key}:")] == [f"{key}:{s}" for s in range(20)]
+
+
+# --- Configuration, command, task, purge, checks ---------------------------------------------
+
+
+def test_transports_are_built_from_the_setting_once_per_process() -> None:
+    transports = {
+        "default": {"BACKEND": "tests.test_relay.RecordingTransport", "OPTIONS": {"fail": None}},
+    }
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
+        close_transports()
+        first = get_transport("default")
+        assert isinstance(first, RecordingTransport)
+        assert get_transport("default") is first
+        close_transports()
+        assert first.closed
+        assert get_transport("default") is not first
+        close_transports()
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"BACKEND": "tests.test_relay.Missing"}, "cannot import"),
+        ({"BACKEND": "tests.test_relay.RecordingTransport", "OPTIONS": {"x": 1}}, "failed"),
+        ({"BACKEND": "tests.test_relay.states"}, "send"),
+    ],
+    ids=["missing", "bad-options", "not-a-transport"],
+)
+def test_a_bad_transport_raises_improperly_configured(entry: dict[str, Any], match: str) -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": {"default": entry}}):
+        with pytest.raises(ImproperlyConfigured, match=match):
+            build_transport("default")
+        with pytest.raises(ImproperlyConfigured, match="No outbox transport named 'x'"):
+            build_transport("x")
+
+
+@pytest.mark.parametrize(
+    ("value", "check_id"),
+    [
+        ({"kafka": {"BACKEND": "a.B"}}, "django_idempotency.E002"),
+        ({"default": {"BACKEND": "nodots"}}, "django_idempotency.E002"),
+        ({"default": {"BACKEND": "a.B", "OPTS": {}}}, "django_idempotency.E002"),
+        ({"default": {"BACKEND": "no_such_module.Transport"}}, "django_idempotency.E030"),
+        ({"default": {"BACKEND": "tests.test_relay.states"}}, "django_idempotency.E031"),
+    ],
+    ids=["no-default", "not-dotted", "unknown-key", "not-importable", "not-a-transport"],
+)
+def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
+        ids = [message.id for message in run_checks()]
+    assert check_id in ids
+
+
+def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
+    value = {
+        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
+    }
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
+        ids = [message.id for message in run_checks()]
+    assert not [i for i in ids if i.startswith("django_idempotency.")]
+
+
+RECORDING = {"default": {"BACKEND": "tests.test_relay.RecordingTransport"}}
+
+
+def test_command_once_sends_what_is_due_and_prints_totals() -> None:
+    write("a", "b")
+    out = StringIO()
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": RECORDING}):
+        close_transports()
+        call_command("idempotency_relay", "--once", "--batch-size", "1", stdout=out)
+    totals = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert (totals["sent"], totals["batches"]) == (2, 2)
+    assert set(states().values()) == {"sent"}
+
+
+def test_beat_task_sends_what_is_due() -> None:
+    write("a")
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": RECORDING}):
+        close_transports()
+        totals = relay_outbox.delay(max_seconds=5).get()
+        close_transports()
+    assert totals["sent"] == 1
+    assert states() == {"a": "sent"}
+
+
+def test_purge_deletes_expired_sent_messages_only() -> None:
+    write("old", "new", "pending")
+    past = timezone.now() - timedelta(days=8)
+    OutboxEntry.objects.filter(destination="old").update(
+        state="sent", sent_at=past, expires_at=past + timedelta(days=7)
+    )
+    OutboxEntry.objects.filter(destination="new").update(
+        state="sent", sent_at=timezone.now(), expires_at=timezone.now() + timedelta(days=7)
+    )
+
+    results = {r.label: r for r in purge_all()}
+
+    assert results["django_idempotency.OutboxEntry"].deleted == 1
+    assert states() == {"new": "sent", "pending": "pending"}
+    stats = OutboxEntry.objects.stats()
+    assert (stats.counts["pending"], stats.counts["parked"]) == (1, 0)
+
+
+def test_lag_is_the_age_of_the_oldest_pending_message() -> None:
+    assert OutboxEntry.objects.lag_seconds() == 0.0
+    write("a")
+    OutboxEntry.objects.update(created_at=timezone.now() - timedelta(seconds=30))
+    assert 29 <= OutboxEntry.objects.lag_seconds() <= 60
