@@ -8,12 +8,12 @@ django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of 
 django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
 django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
 django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported.
-django_idempotency.E030 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
-django_idempotency.E031 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
 django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
+django_idempotency.E040 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
+django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 ======================  =====================================================================
 """
 

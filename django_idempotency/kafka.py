@@ -29,7 +29,7 @@ import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from django.core.exceptions import ImproperlyConfigured
@@ -51,6 +51,9 @@ __all__ = [
     "event_id_of",
     "replay_dead_letters",
 ]
+
+if TYPE_CHECKING:
+    from django_idempotency.transports import OutboxMessage
 
 logger = logging.getLogger(__name__)
 
@@ -468,21 +471,6 @@ def _partitions(partitions: Sequence[TopicPartition]) -> str:
 # --- The outbox transport -----------------------------------------------------------------------
 
 
-class _Outgoing(Protocol):
-    """The fields of :class:`django_idempotency.transports.OutboxMessage` this transport reads."""
-
-    @property
-    def event_id(self) -> str: ...
-    @property
-    def destination(self) -> str: ...
-    @property
-    def payload(self) -> Any: ...
-    @property
-    def headers(self) -> dict[str, str]: ...
-    @property
-    def ordering_key(self) -> str | None: ...
-
-
 class KafkaTransport:
     """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
 
@@ -520,7 +508,7 @@ class KafkaTransport:
         }
         self._producer: Producer | None = None
 
-    def send(self, messages: Sequence[_Outgoing]) -> list[BaseException | None]:
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(messages)
         failed: dict[str, BaseException] = {}
         for batch in _rounds(messages):
@@ -579,7 +567,7 @@ def _report(
     reports[index] = error
 
 
-def _rounds(messages: Sequence[_Outgoing]) -> list[list[int]]:
+def _rounds(messages: Sequence[OutboxMessage]) -> list[list[int]]:
     """Indexes in sending rounds: round ``n`` holds the ``n``-th message of each key."""
     rounds: defaultdict[int, list[int]] = defaultdict(list)
     seen: Counter[str] = Counter()

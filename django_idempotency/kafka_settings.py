@@ -215,7 +215,7 @@ def check_consumers(consumers: Mapping[str, ConsumerSettings]) -> list[CheckMess
             Error(
                 f"IDEMPOTENCY[{SETTING!r}] is set, but confluent-kafka is not installed.",
                 hint="pip install 'django-idempotency[kafka]'.",
-                id="django_idempotency.E030",
+                id="django_idempotency.E040",
             )
         )
     for settings in consumers.values():
@@ -231,7 +231,7 @@ def check_consumers(consumers: Mapping[str, ConsumerSettings]) -> list[CheckMess
                     f"IDEMPOTENCY[{SETTING!r}][{settings.name!r}]['HANDLER'] = "
                     f"{settings.handler!r} {problem}.",
                     hint="Point it at a function that takes one confluent_kafka.Message.",
-                    id="django_idempotency.E031",
+                    id="django_idempotency.E041",
                 )
             )
     return messages

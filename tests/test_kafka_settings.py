@@ -91,7 +91,7 @@ def test_a_missing_required_key_is_named() -> None:
 def test_a_handler_that_cannot_be_imported_is_e031() -> None:
     with override_settings(IDEMPOTENCY=consumer(HANDLER="testproject.shop.nowhere.apply")):
         [message] = check_settings()
-    assert message.id == "django_idempotency.E031"
+    assert message.id == "django_idempotency.E041"
     assert "testproject.shop.nowhere.apply" in message.msg
 
 
@@ -101,7 +101,7 @@ def test_without_confluent_kafka_installed_the_check_is_e030(
     monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # import raises ImportError
     with override_settings(IDEMPOTENCY=consumer()):
         messages = check_settings()
-    assert ids(messages) == ["django_idempotency.E030"]
+    assert ids(messages) == ["django_idempotency.E040"]
     assert "django-idempotency[kafka]" in (messages[0].hint or "")
 
 
@@ -184,4 +184,4 @@ def test_the_guides_consumer_setting_is_valid() -> None:
         messages = check_settings()
         assert consumer_settings("billing.ledger").group == "billing"
     # Only the guide's own handler module is missing here.
-    assert ids(messages) == ["django_idempotency.E031"]
+    assert ids(messages) == ["django_idempotency.E041"]

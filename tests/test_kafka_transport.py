@@ -5,12 +5,11 @@ The cluster is librdkafka's mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS`` (tests/
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 import pytest
@@ -21,21 +20,28 @@ pytest.importorskip("confluent_kafka")
 from confluent_kafka import KafkaException
 
 from django_idempotency.kafka import KafkaTransport
+from django_idempotency.transports import OutboxMessage, Transport
 from tests.kafka_cluster import Cluster
 
+_ids = itertools.count(1)
 
-@dataclass(frozen=True)
-class Outgoing:
-    """The fields of the outbox's OutboxMessage that a transport reads."""
 
-    destination: str
-    payload: Any
-    ordering_key: str | None = None
-    event_id: str = field(default_factory=lambda: str(uuid.uuid4()))
-    headers: dict[str, str] = field(default_factory=dict)
-    id: int = 0
-    created_at: datetime = field(default_factory=timezone.now)
-    attempts: int = 1
+def outgoing(
+    destination: str,
+    payload: Any,
+    ordering_key: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> OutboxMessage:
+    return OutboxMessage(
+        id=next(_ids),
+        event_id=str(uuid.uuid4()),
+        destination=destination,
+        payload=payload,
+        headers=headers or {},
+        ordering_key=ordering_key,
+        created_at=timezone.now(),
+        attempts=1,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +64,11 @@ def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
 ) -> None:
     topic = cluster.new_topic("transport")
     messages = [
-        Outgoing(topic, {"n": n}, ordering_key=f"order-{n % 3}" if n % 4 else None)
+        outgoing(topic, {"n": n}, ordering_key=f"order-{n % 3}" if n % 4 else None)
         for n in range(40)
     ]
-    messages[1] = Outgoing(topic, {"n": 1}, "order-1", headers={"traceparent": "00-abc"})
+    messages[1] = outgoing(topic, {"n": 1}, "order-1", headers={"traceparent": "00-abc"})
+    assert isinstance(transport, Transport)
 
     assert transport.send(messages) == [None] * 40
 
@@ -91,11 +98,11 @@ def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
     topic = cluster.new_topic("transport-fail")
     too_big = {"blob": "x" * 50_000}  # over message.max.bytes: refused by the client
     messages = [
-        Outgoing(topic, {"n": 0}, "a"),
-        Outgoing(topic, too_big, "a"),
-        Outgoing(topic, {"n": 2}, "a"),
-        Outgoing(topic, {"n": 3}, "b"),
-        Outgoing(topic, {"n": 4}),
+        outgoing(topic, {"n": 0}, "a"),
+        outgoing(topic, too_big, "a"),
+        outgoing(topic, {"n": 2}, "a"),
+        outgoing(topic, {"n": 3}, "b"),
+        outgoing(topic, {"n": 4}),
     ]
 
     results = transport.send(messages)
