@@ -187,6 +187,42 @@ class ConsumerProcess:
         self.process.wait(10)
 
 
+def manage_env(db_url: str, **extra: str) -> dict[str, str]:
+    """The environment of a ``manage.py`` subprocess of the test project on the test database."""
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": db_url,
+        "PYTHONUNBUFFERED": "1",
+        **extra,
+    }
+    env.pop("COV_CORE_SOURCE", None)  # no coverage tracing in subprocesses: it is only slower
+    return env
+
+
+def run_manage(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """Run ``manage.py *args`` to its end; CalledProcessError if it fails."""
+    return subprocess.run(
+        [sys.executable, "manage.py", *args],
+        cwd=REPO,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+
+def consumer_env(cluster: Cluster, *, topic: str, group: str, db_url: str) -> dict[str, str]:
+    """:func:`manage_env` for the ``shop.kafka`` consumer of ``topic`` in ``group``."""
+    return manage_env(
+        db_url,
+        SHOP_KAFKA_BOOTSTRAP=cluster.bootstrap,
+        SHOP_KAFKA_TOPICS=topic,
+        SHOP_KAFKA_GROUP=group,
+    )
+
+
 def start_consumer(
     cluster: Cluster,
     *,
@@ -197,17 +233,7 @@ def start_consumer(
     name: str,
     extra_env: Mapping[str, str] | None = None,
 ) -> ConsumerProcess:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
-        "DATABASE_URL": db_url,
-        "SHOP_KAFKA_BOOTSTRAP": cluster.bootstrap,
-        "SHOP_KAFKA_TOPICS": topic,
-        "SHOP_KAFKA_GROUP": group,
-        "PYTHONUNBUFFERED": "1",
-        **(extra_env or {}),
-    }
-    env.pop("COV_CORE_SOURCE", None)
+    env = {**consumer_env(cluster, topic=topic, group=group, db_url=db_url), **(extra_env or {})}
     log = log_dir / f"{name}.log"
     with log.open("wb") as out:
         process = subprocess.Popen(

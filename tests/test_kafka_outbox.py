@@ -8,12 +8,8 @@ librdkafka's mock cluster or ``KAFKA_BOOTSTRAP_SERVERS`` (tests/kafka_cluster.py
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +22,7 @@ pytest.importorskip("confluent_kafka")
 from django_idempotency import outbox
 from django_idempotency.models import OutboxEntry
 from testproject.shop.models import Effect
-from tests.kafka_cluster import REPO, Cluster, start_consumer
+from tests.kafka_cluster import Cluster, manage_env, run_manage, start_consumer
 from tests.workers import database_url
 
 pytestmark = [
@@ -34,13 +30,6 @@ pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.django_db(transaction=True),
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    kafka = Cluster()
-    yield kafka
-    kafka.close()
 
 
 def transports(cluster: Cluster) -> dict[str, Any]:
@@ -54,22 +43,11 @@ def transports(cluster: Cluster) -> dict[str, Any]:
 
 
 def relay_once(cluster: Cluster) -> str:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
-        "DATABASE_URL": database_url(connection.settings_dict),
-        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(transports(cluster)),
-    }
-    env.pop("COV_CORE_SOURCE", None)
-    done = subprocess.run(
-        [sys.executable, "manage.py", "idempotency_relay", "--once"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+    env = manage_env(
+        database_url(connection.settings_dict),
+        IDEMPOTENCY_OUTBOX_TRANSPORTS=json.dumps(transports(cluster)),
     )
+    done = run_manage(env, "idempotency_relay", "--once")
     return done.stdout + done.stderr
 
 

@@ -10,9 +10,7 @@ its topic before it counts.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import threading
 import uuid
 from collections import Counter
@@ -23,10 +21,18 @@ from typing import Any
 import pytest
 from django.db import connection
 
+pytest.importorskip("confluent_kafka")
+
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.kafka_handlers import CONSUMER
 from testproject.shop.models import Effect
-from tests.kafka_cluster import REPO, Cluster, ConsumerProcess, start_consumer
+from tests.kafka_cluster import (
+    Cluster,
+    ConsumerProcess,
+    consumer_env,
+    run_manage,
+    start_consumer,
+)
 from tests.workers import database_url
 
 pytestmark = [
@@ -34,13 +40,6 @@ pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.django_db(transaction=True),
 ]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    kafka = Cluster()
-    yield kafka
-    kafka.close()
 
 
 @pytest.fixture
@@ -229,20 +228,7 @@ def test_dead_letter_replay_applies_the_event_once(
 
 
 def replay_command(cluster: Cluster, topic: str, group: str) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "DJANGO_SETTINGS_MODULE": "testproject.settings",
-        "DATABASE_URL": database_url(connection.settings_dict),
-        "SHOP_KAFKA_BOOTSTRAP": cluster.bootstrap,
-        "SHOP_KAFKA_TOPICS": topic,
-        "SHOP_KAFKA_GROUP": group,
-    }
-    return subprocess.run(
-        [sys.executable, "manage.py", "idempotency_consume", "--replay-dead-letters", CONSUMER],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+    env = consumer_env(
+        cluster, topic=topic, group=group, db_url=database_url(connection.settings_dict)
     )
+    return run_manage(env, "idempotency_consume", "--replay-dead-letters", CONSUMER)

@@ -44,13 +44,6 @@ def outgoing(
     )
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    kafka = Cluster()
-    yield kafka
-    kafka.close()
-
-
 @pytest.fixture
 def transport(cluster: Cluster) -> Iterator[KafkaTransport]:
     kafka = KafkaTransport({"bootstrap.servers": cluster.bootstrap, "message.max.bytes": 20000})

@@ -20,12 +20,15 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from confluent_kafka import Message
 from django.db import transaction
 
 from django_idempotency.models import EventDelivery
 from testproject.shop.models import Effect
+
+if TYPE_CHECKING:
+    from confluent_kafka import Message
 
 CONSUMER = "shop.kafka"
 
