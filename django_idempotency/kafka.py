@@ -8,7 +8,9 @@ Install the extra: ``pip install 'django-idempotency[kafka]'``. See ``docs/kafka
 1. finds the event id (a header by default, or a field of the JSON value);
 2. runs the handler in ``transaction.atomic`` together with the processed-event reservation,
    after counting the delivery (the core does both, and skips a duplicate);
-3. commits the message's offset synchronously, only once that transaction has committed.
+3. commits the message's offset synchronously, only once that transaction has committed (at
+   once by default; every ``COMMIT_INTERVAL`` seconds if set, and always before its partitions
+   are revoked and before it stops).
 
 A crash between 2 and 3 redelivers the message, and its reservation skips it. A handler that
 raises rolls back, and the message is delivered again after ``RETRY_DELAY``; once the event has
@@ -26,6 +28,7 @@ import functools
 import json
 import logging
 import threading
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -142,6 +145,7 @@ class ConsumerRunner:
         self._producer: Producer | None = None
         self._done: dict[tuple[str, int], int] = {}
         """Offsets to commit: processed, not committed yet, by (topic, partition)."""
+        self._committed_at = time.monotonic()
 
     # The loop
 
@@ -154,6 +158,10 @@ class ConsumerRunner:
         settings = self.settings
         config = {
             "auto.offset.reset": "earliest",
+            # Incremental rebalances: partitions that stay keep being consumed, and a revoked
+            # partition's offsets are committed before it moves (an eager rebalance can refuse
+            # that commit with REBALANCE_IN_PROGRESS, as librdkafka's mock cluster does).
+            "partition.assignment.strategy": "cooperative-sticky",
             **settings.config,
             "group.id": settings.group,
             "enable.auto.commit": False,
@@ -177,6 +185,7 @@ class ConsumerRunner:
             while not self._stopping.is_set():
                 message = consumer.poll(settings.poll_timeout)
                 if message is None:
+                    self._commit_if_due()
                     continue
                 error = message.error()
                 if error is not None:
@@ -209,7 +218,7 @@ class ConsumerRunner:
             self._stopping.wait(self.settings.retry_delay)
         else:
             self._done[topic, partition] = offset + 1
-            self._commit()
+            self._commit_if_due()
         return outcome
 
     def process(self, message: Message) -> Outcome:
@@ -253,8 +262,14 @@ class ConsumerRunner:
 
     # Offsets and rebalances
 
+    def _commit_if_due(self) -> None:
+        if time.monotonic() - self._committed_at >= self.settings.commit_interval:
+            self._commit()
+
     def _commit(self, partitions: Sequence[TopicPartition] | None = None) -> None:
         """Commit the processed offsets (of ``partitions`` only, if given), synchronously."""
+        if partitions is None:
+            self._committed_at = time.monotonic()
         wanted = None if partitions is None else {(p.topic, p.partition) for p in partitions}
         keys = [key for key in self._done if wanted is None or key in wanted]
         if not keys or self._consumer is None:

@@ -35,7 +35,14 @@ __all__ = ["ConsumerSettings", "check_consumers", "consumer_settings", "parse_co
 
 SETTING = "KAFKA_CONSUMERS"
 REQUIRED = ("HANDLER", "TOPICS", "GROUP", "CONFIG")
-OPTIONAL = ("EVENT_ID", "DEAD_LETTER_TOPIC", "MAX_DELIVERIES", "RETRY_DELAY", "POLL_TIMEOUT")
+OPTIONAL = (
+    "EVENT_ID",
+    "DEAD_LETTER_TOPIC",
+    "MAX_DELIVERIES",
+    "RETRY_DELAY",
+    "POLL_TIMEOUT",
+    "COMMIT_INTERVAL",
+)
 EVENT_ID_SOURCES = ("header", "json")
 RUNNER_OWNED = {
     "group.id": "set GROUP instead",
@@ -72,6 +79,8 @@ class ConsumerSettings:
     """Seconds before a message whose handler failed is delivered again."""
     poll_timeout: float = 1.0
     """Seconds one poll waits: also how soon a stop request is noticed when idle."""
+    commit_interval: float = 0.0
+    """Seconds between offset commits; 0 commits after every message."""
     producer_config: dict[str, Any] = field(default_factory=dict)
     """The dead-letter producer's connection properties, taken from ``config``."""
 
@@ -179,6 +188,7 @@ def _parse_one(name: Any, entry: Any) -> ConsumerSettings:
         max_deliveries=max_deliveries,
         retry_delay=_seconds(f"{where}['RETRY_DELAY']", entry.get("RETRY_DELAY", 1.0)),
         poll_timeout=poll_timeout,
+        commit_interval=_seconds(f"{where}['COMMIT_INTERVAL']", entry.get("COMMIT_INTERVAL", 0.0)),
         producer_config={k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)},
     )
 

@@ -124,6 +124,7 @@ if env("SHOP_KAFKA_BOOTSTRAP", default=""):
             "MAX_DELIVERIES": 3,
             "RETRY_DELAY": 0.2,
             "POLL_TIMEOUT": 0.2,
+            "COMMIT_INTERVAL": env.float("SHOP_KAFKA_COMMIT_INTERVAL", default=0.0),
         }
     }
 
