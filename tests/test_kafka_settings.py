@@ -64,6 +64,7 @@ def test_a_valid_consumer_parses_with_its_defaults() -> None:
         ({"MAX_DELIVERIES": 0}, "positive integer"),
         ({"POLL_TIMEOUT": 0}, "longer than zero"),
         ({"RETRY_DELAY": -1}, "zero or a positive number"),
+        ({"COMMIT_INTERVAL": "5"}, "zero or a positive number"),
         ({"TOPIC": ["orders"]}, "unknown key(s) TOPIC"),
     ],
 )
