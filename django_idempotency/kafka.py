@@ -385,6 +385,9 @@ def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> 
     meantime is skipped. A message without an event id is not replayed (it would only come back):
     fix its producer and publish it again. Returns counts: ``replayed``, ``skipped`` (other
     consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message.
+
+    :raises DeadLetterFailed: a message could not be put back; it stays on the dead-letter topic
+        (its offset there is not committed) and the next run tries it again.
     """
     settings = consumer_settings(settings) if isinstance(settings, str) else settings
     dead_letter_topics = sorted({settings.dead_letter_topic_for(t) for t in settings.topics})
@@ -409,7 +412,7 @@ def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> 
                 continue
             headers = _headers(message)
             origin = {name: value for name, value in headers if name.startswith("dlq.")}
-            if _text(origin.get("dlq.consumer")) != settings.name:
+            if _text(origin.get("dlq.consumer")) != settings.name or not origin.get("dlq.topic"):
                 counts["skipped"] += 1
             else:
                 try:

@@ -173,6 +173,34 @@ def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
     assert {"6 applied", "2 dead-lettered", "5 retry"} <= set(stopped.strip().split(", "))
 
 
+def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
+    cluster: Cluster, consumers: Any
+) -> None:
+    [killer] = events(1, behaviour="die")
+    healthy = events(3)
+    cluster.produce(consumers.topic, [killer, *healthy], key=lambda e: "one-partition")
+    deaths = 0
+    while deaths < 5:  # MAX_DELIVERIES=3: three deaths, then the 4th delivery parks it
+        consumer = consumers()
+        for _ in range(600):
+            if consumer.process.poll() is not None or effects():
+                break
+            threading.Event().wait(0.1)
+        if consumer.process.poll() is None:
+            break
+        assert consumer.process.returncode == -9, consumer.output()
+        deaths += 1
+    assert deaths == 3
+    cluster.wait_caught_up(consumers.topic, consumers.group)
+
+    assert effects() == Counter({e["event_id"]: 1 for e in healthy})
+    [dead] = cluster.read(f"{consumers.topic}.dlq", 1)
+    headers = dict(dead.headers() or [])
+    assert headers["event_id"] == killer["event_id"].encode()
+    assert headers["dlq.deliveries"] == b"4"
+    assert consumer.terminate() == 0
+
+
 def test_two_consumers_through_rebalances_apply_each_event_once(
     cluster: Cluster, consumers: Any
 ) -> None:

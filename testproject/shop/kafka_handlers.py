@@ -7,6 +7,8 @@ payload, so the tests can count effects. ``"behaviour"`` makes it misbehave on p
 * ``"fail"``: raise, every time (a poison message), unless ``$SHOP_KAFKA_FIXED`` is set (the
   bug was fixed: the dead-letter replay test);
 * ``"fail_twice"``: raise on the first two deliveries, then succeed;
+* ``"die"``: SIGKILL its own process, inside the transaction (a message that kills its
+  consumer every time), unless ``$SHOP_KAFKA_FIXED`` is set;
 * ``"slow"``: write ``<event id>.started`` into ``$SHOP_KAFKA_PAUSE_DIR``, then take two
   seconds (the graceful stop test sends SIGTERM meanwhile);
 * ``"pause_after_commit"``: after the transaction commits, write ``<event id>.committed`` into
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +53,8 @@ def apply(message: Message) -> None:
         deliveries = EventDelivery.objects.get(consumer=CONSUMER, event_id=event_id).deliveries
         if deliveries <= 2:
             raise RuntimeError(f"failure {deliveries} of {event_id}")
+    if behaviour == "die" and not os.environ.get("SHOP_KAFKA_FIXED"):
+        os.kill(os.getpid(), signal.SIGKILL)
     if behaviour == "slow":
         (Path(os.environ["SHOP_KAFKA_PAUSE_DIR"]) / f"{event_id}.started").touch()
         time.sleep(2)

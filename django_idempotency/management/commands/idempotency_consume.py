@@ -32,7 +32,11 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             settings = consumer_settings(options["consumer"])
-            from django_idempotency.kafka import ConsumerRunner, replay_dead_letters
+            from django_idempotency.kafka import (
+                ConsumerRunner,
+                DeadLetterFailed,
+                replay_dead_letters,
+            )
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         except ImportError as exc:
@@ -40,7 +44,10 @@ class Command(BaseCommand):
                 f"{exc}. Install the extra: pip install 'django-idempotency[kafka]'."
             ) from exc
         if options["replay_dead_letters"]:
-            replayed = replay_dead_letters(settings)
+            try:
+                replayed = replay_dead_letters(settings)
+            except DeadLetterFailed as exc:
+                raise CommandError(f"{exc}; run it again once the topic takes writes.") from exc
             self.stdout.write(
                 ", ".join(f"{n} {what}" for what, n in sorted(replayed.items()))
                 or "nothing to replay"
