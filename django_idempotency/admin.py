@@ -576,8 +576,28 @@ class ProcessedEventAdmin(PurgeExpiredMixin):
     fields = ("event_id", "consumer", "topic", "processed_at", "expires_at", "expired")
 
 
+class LastErrorColumns:
+    """The ``last_error`` column of deliveries and outbox messages: its last line, and in full."""
+
+    @admin.display(description=_("last error"))
+    def short_error(self, obj: Any) -> str:
+        lines = str(obj.last_error).strip().splitlines()
+        return Truncator(lines[-1] if lines else "").chars(80)
+
+    @admin.display(description=_("last error"))
+    def error_text(self, obj: Any) -> SafeString:
+        return render_to_string(
+            "django_idempotency/admin/stored_body.html",
+            {
+                "preview": preview_body(str(obj.last_error).encode(), "text/plain; charset=utf-8"),
+                "preview_chars": PREVIEW_CHARS,
+                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
+            },
+        )
+
+
 @admin.register(EventDelivery)
-class EventDeliveryAdmin(PurgeExpiredMixin):
+class EventDeliveryAdmin(LastErrorColumns, PurgeExpiredMixin):
     list_display = (
         "event_id",
         "consumer",
@@ -616,29 +636,12 @@ class EventDeliveryAdmin(PurgeExpiredMixin):
     def parked(self, obj: EventDelivery) -> bool:
         return obj.parked_at is not None
 
-    @admin.display(description=_("last error"))
-    def short_error(self, obj: EventDelivery) -> str:
-        return Truncator(obj.last_error.strip().splitlines()[-1] if obj.last_error else "").chars(
-            80
-        )
-
-    @admin.display(description=_("last error"))
-    def error_text(self, obj: EventDelivery) -> SafeString:
-        return render_to_string(
-            "django_idempotency/admin/stored_body.html",
-            {
-                "preview": preview_body(obj.last_error.encode(), "text/plain; charset=utf-8"),
-                "preview_chars": PREVIEW_CHARS,
-                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
-            },
-        )
-
 
 # --- The outbox ---------------------------------------------------------------------------------
 
 
 @admin.register(OutboxEntry)
-class OutboxEntryAdmin(PurgeExpiredMixin):
+class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
     """Outbox messages: pending (with their lag), sent, and parked ones to requeue."""
 
     list_display = (
@@ -694,22 +697,6 @@ class OutboxEntryAdmin(PurgeExpiredMixin):
     @admin.display(boolean=True, description=_("expired"))
     def expired(self, obj: Any) -> bool:
         return obj.expires_at is not None and bool(obj.expires_at <= timezone.now())
-
-    @admin.display(description=_("last error"))
-    def short_error(self, obj: OutboxEntry) -> str:
-        lines = obj.last_error.strip().splitlines()
-        return Truncator(lines[-1] if lines else "").chars(80)
-
-    @admin.display(description=_("last error"))
-    def error_text(self, obj: OutboxEntry) -> SafeString:
-        return render_to_string(
-            "django_idempotency/admin/stored_body.html",
-            {
-                "preview": preview_body(obj.last_error.encode(), "text/plain; charset=utf-8"),
-                "preview_chars": PREVIEW_CHARS,
-                "binary_preview_bytes": BINARY_PREVIEW_BYTES,
-            },
-        )
 
     def has_requeue_permission(self, request: HttpRequest) -> bool:
         opts = self.model._meta

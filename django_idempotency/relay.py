@@ -185,6 +185,7 @@ class Relay:
                 ).update(locked_until=now + self.lease, attempts=F("attempts") + 1)
         for row in chosen:
             row.attempts += 1
+            row.locked_until = now + self.lease
         return chosen
 
     def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
@@ -218,7 +219,7 @@ class Relay:
         for index, row in enumerate(rows):
             groups.setdefault(row.transport, []).append(index)
         for name, indexes in groups.items():
-            messages = [_message(rows[index]) for index in indexes]
+            messages = [OutboxMessage.from_entry(rows[index]) for index in indexes]
             try:
                 transport = self._transport(name)
                 results = transport.send(messages)
@@ -271,14 +272,17 @@ class Relay:
                     locked_until=None,
                     last_error="",
                 )
+            # A failure is recorded only while the lease is still this relay's: after a takeover
+            # the row belongs to the other relay (a sent mark always stands: the broker has it).
+            lease = rows[0].locked_until
             if released:
-                queryset.filter(id__in=released).update(
+                queryset.filter(id__in=released, locked_until=lease).update(
                     locked_until=None, attempts=F("attempts") - 1
                 )
             for row, error in failures:
                 text = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
                 if row.attempts >= self.max_attempts:
-                    queryset.filter(pk=row.pk).update(
+                    queryset.filter(pk=row.pk, locked_until=lease).update(
                         state=PARKED, locked_until=None, last_error=text
                     )
                     result.parked += 1
@@ -292,7 +296,7 @@ class Relay:
                         text,
                     )
                 else:
-                    queryset.filter(pk=row.pk).update(
+                    queryset.filter(pk=row.pk, locked_until=lease).update(
                         available_at=now + timedelta(seconds=self._delay(row.attempts)),
                         locked_until=None,
                         last_error=text,
@@ -369,19 +373,6 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
-
-
-def _message(row: OutboxEntry) -> OutboxMessage:
-    return OutboxMessage(
-        id=row.pk,
-        event_id=row.event_id,
-        destination=row.destination,
-        payload=row.payload,
-        headers=dict(row.headers or {}),
-        ordering_key=row.ordering_key,
-        created_at=row.created_at,
-        attempts=row.attempts,
-    )
 
 
 @contextmanager

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -47,6 +48,8 @@ from django_idempotency.events import EVENT_ID_KEY
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from django_idempotency.models import OutboxEntry
 
 __all__ = [
     "CeleryTransport",
@@ -81,6 +84,20 @@ class OutboxMessage:
     created_at: datetime
     attempts: int
     """Attempts so far, this one included."""
+
+    @classmethod
+    def from_entry(cls, row: OutboxEntry) -> OutboxMessage:
+        """The message of an :class:`~django_idempotency.models.OutboxEntry` row."""
+        return cls(
+            id=row.pk,
+            event_id=row.event_id,
+            destination=row.destination,
+            payload=row.payload,
+            headers=dict(row.headers or {}),
+            ordering_key=row.ordering_key,
+            created_at=row.created_at,
+            attempts=row.attempts,
+        )
 
 
 @runtime_checkable
@@ -174,9 +191,11 @@ class CeleryTransport:
 
     Durability: on RabbitMQ, ``confirm_publish`` (on by default) turns on publisher confirms, so
     a message counts as sent only once the broker has taken responsibility for it (persistent
-    messages on a durable queue are on disk by then). On Redis, the ``LPUSH`` has returned; the
-    message survives a Redis restart only with ``appendonly yes``. Publishing never retries
-    inside the transport (``retry=False``): the relay retries with backoff.
+    messages on a durable queue are on disk by then); ``transactions=True`` gives the same
+    guarantee per batch. On Redis, a batch goes in one pipeline and counts as sent once Redis has
+    answered every ``LPUSH``; the message survives a Redis restart only with ``appendonly yes``.
+    Publishing never retries inside the transport (``retry=False``): the relay retries with
+    backoff.
 
     With ``task_always_eager`` (tests, a demo without a broker) and no ``broker_url``, the task
     runs in the relay's process instead, and its exception counts as a failed send.
@@ -185,6 +204,9 @@ class CeleryTransport:
         serializer come from it.
     :param broker_url: publish to this broker instead of the app's.
     :param confirm_publish: wait for RabbitMQ publisher confirms (ignored by other brokers).
+    :param transactions: RabbitMQ only: publish each batch in one AMQP transaction instead, and
+        count it sent when ``tx.commit`` returns: one round trip per batch rather than one per
+        message.
     :param connect_timeout: seconds to wait for the broker's connection.
     """
 
@@ -193,11 +215,13 @@ class CeleryTransport:
         app: Celery | str | None = None,
         broker_url: str | None = None,
         confirm_publish: bool = True,
+        transactions: bool = False,
         connect_timeout: float = 5.0,
     ) -> None:
         self._app_spec = app
         self.broker_url = broker_url
         self.confirm_publish = confirm_publish
+        self.transactions = transactions
         self.connect_timeout = connect_timeout
         self._connection: Any = None
         self._producer: Any = None
@@ -215,16 +239,66 @@ class CeleryTransport:
     def _open(self) -> Any:
         if self._producer is None:
             app = self.app
+            confirm = self.confirm_publish and not self.transactions
             self._connection = app.connection_for_write(
                 self.broker_url,
                 connect_timeout=self.connect_timeout,
-                transport_options={"confirm_publish": self.confirm_publish},
+                transport_options={"confirm_publish": confirm},
             )
             self._connection.ensure_connection(max_retries=1)
             self._producer = app.amqp.Producer(self._connection)
         return self._producer
 
+    @property
+    def _eager(self) -> bool:
+        return self.broker_url is None and bool(self.app.conf.task_always_eager)
+
     def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        if self._eager:
+            return self._send_each(messages)
+        try:
+            producer = self._open()
+        except Exception as exc:  # noqa: BLE001 - the broker is unreachable: nothing is sent
+            self.close()
+            return [exc] * len(messages)
+        results: list[BaseException | None] = []
+        try:
+            with self._batch(producer, len(messages)):
+                results = self._send_each(messages)
+        except Exception as exc:  # noqa: BLE001 - the batch's flush or commit failed
+            # None of the batch is known to have reached the broker: all of it is retried.
+            self.close()
+            return [exc] * len(messages)
+        return results
+
+    @contextmanager
+    def _batch(self, producer: Any, size: int) -> Iterator[None]:
+        """Publish a whole call in one round trip where the broker allows it.
+
+        RabbitMQ with ``transactions``: one AMQP transaction, committed at the end (the commit
+        returns once the broker has the messages). Redis: one pipeline (kombu 5.7's
+        ``Producer.batch``). Otherwise one publish (and one confirm) per message.
+        """
+        if self.transactions:
+            channel = producer.channel
+            if not getattr(channel, "_idempotency_tx", False):
+                channel.tx_select()
+                channel._idempotency_tx = True
+            try:
+                yield
+            except BaseException:
+                channel.tx_rollback()
+                raise
+            channel.tx_commit()
+            return
+        batch = getattr(producer, "batch", None)
+        if batch is None:
+            yield
+            return
+        with batch(max_size=4 * size + 16):  # never flushed half-way
+            yield
+
+    def _send_each(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         results: list[BaseException | None] = []
         failed_keys: dict[str, BaseException] = {}
         broken: BaseException | None = None
@@ -259,11 +333,11 @@ class CeleryTransport:
             )
         options = dict(payload.get("options") or {})
         app = self.app
-        if self.broker_url is None and app.conf.task_always_eager:
+        if self._eager:
             # No broker (tests, a demo): run the task here and now, as delay() would; its
             # exception counts as a failed send.
             app.tasks[message.destination].apply(
-                args=list(payload["args"]),
+                args=tuple(payload["args"]),
                 kwargs=dict(payload["kwargs"]),
                 task_id=message.event_id,
                 headers={**message.headers, EVENT_ID_KEY: message.event_id},

@@ -24,7 +24,7 @@ from django.utils import timezone
 from django_idempotency import outbox
 from django_idempotency.managers import purge_all
 from django_idempotency.models import OutboxEntry
-from django_idempotency.relay import Relay
+from django_idempotency.relay import BatchResult, Relay
 from django_idempotency.tasks import relay_outbox
 from django_idempotency.transports import (
     OutboxMessage,
@@ -416,3 +416,21 @@ def test_lag_is_the_age_of_the_oldest_pending_message() -> None:
     write("a")
     OutboxEntry.objects.update(created_at=timezone.now() - timedelta(seconds=30))
     assert 29 <= OutboxEntry.objects.lag_seconds() <= 60
+
+
+def test_a_relay_that_lost_its_lease_does_not_clobber_the_new_holder() -> None:
+    """Relay A's lease ran out and B took the row over; A's late failure changes nothing."""
+    write("m", key="k")
+    first, second = relay(RecordingTransport()), relay(RecordingTransport())
+    (claimed_by_first,) = first._claim()
+    OutboxEntry.objects.update(locked_until=timezone.now() - timedelta(seconds=1))
+    (claimed_by_second,) = second._claim()
+
+    first._record([claimed_by_first], [OSError("late")], BatchResult())
+
+    row = OutboxEntry.objects.get()
+    assert row.locked_until == claimed_by_second.locked_until
+    assert (row.state, row.attempts, row.available_at, row.last_error) == ("pending", 2, None, "")
+    # The holder's own outcome is recorded: the broker has it.
+    second._record([claimed_by_second], [None], BatchResult())
+    assert OutboxEntry.objects.get().state == "sent"

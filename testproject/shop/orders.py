@@ -145,12 +145,14 @@ def place_order(request: OrderRequest, customer: Any = None) -> Placed:
         if existing is None:
             raise
         return existing
+    # --8<-- [start:outbox]
     event_id = str(new_event_id())
     outbox.publish(
         apply_order_confirmed,
         args=[{"event_id": event_id, "order_id": order.pk, "amount_cents": order.amount_cents}],
         key=order_key(order.pk),
     )
+    # --8<-- [end:outbox]
     return Placed(order, payment, event_id, created=True)
 
 

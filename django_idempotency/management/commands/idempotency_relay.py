@@ -17,15 +17,9 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
+from django_idempotency.management.commands.idempotency_purge import _positive_int
 from django_idempotency.relay import BatchResult, Relay
 from django_idempotency.transports import close_transports
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ArgumentTypeError(f"must be a positive integer, not {value}")
-    return value
 
 
 def _positive_seconds(text: str) -> float:

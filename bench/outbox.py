@@ -1,0 +1,400 @@
+"""The outbox, measured: what ``publish`` costs a transaction, how fast one relay sends, and how
+long an event takes from COMMIT to its consumer's effect.
+
+    python -m bench.outbox                                  # PostgreSQL, Redis and RabbitMQ
+    python -m bench.outbox --database-url mysql://root@127.0.0.1:3306/idempotency_bench_outbox
+    python -m bench.outbox --quick                          # a tiny run, to check it works
+
+Three sections, each measured side by side in one run:
+
+1. **publish cost**: one transaction that creates an ``Order``, alone, with
+   ``apply_async_on_commit`` (the task is published to Redis after COMMIT, in the request), and
+   with ``outbox.publish`` (one more row in the transaction). Rows alternate round by round;
+   time per transaction and statements per transaction.
+2. **relay throughput**: ``Relay.drain()`` over N pending messages, through a transport that
+   acknowledges at once (the database's share alone), through Celery to Redis (one pipeline per
+   batch), and to RabbitMQ with publisher confirms (one round trip per message) or with one AMQP
+   transaction per batch; and the Celery transports alone on the same messages, in the same
+   batches (the broker's share alone). Messages per second.
+3. **latency**: a relay process and a Celery worker; a producer commits messages at a steady
+   rate; the time from each COMMIT to its effect's row, p50 and p99, with NOTIFY (PostgreSQL)
+   and with polling alone (one-second poll), against ``apply_async_on_commit``.
+
+It uses the test project's settings against its own database (created and migrated here) and
+prints a JSON document and tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+REDIS = "redis://127.0.0.1:6379/12"
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+DEFAULT_DB = "postgres://postgres@127.0.0.1:5432/idempotency_bench_outbox"
+
+
+def setup(database_url: str) -> None:
+    os.environ["DATABASE_URL"] = database_url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
+    os.environ["CELERY_BROKER_URL"] = REDIS  # real publishes, not eager
+    os.environ["IDEMPOTENCY_LOG_LEVEL"] = "WARNING"
+    _create_database(database_url)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def _create_database(url: str) -> None:
+    import environ
+
+    config = environ.Env.db_url_config(url)
+    name = config["NAME"]
+    if config["ENGINE"].endswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(
+            host=config["HOST"], port=config["PORT"] or 5432, user=config["USER"],
+            dbname="postgres", autocommit=True,
+        ) as conn:  # fmt: skip
+            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+                conn.execute(f'CREATE DATABASE "{name}"')
+    elif config["ENGINE"].endswith("mysql"):
+        import MySQLdb
+
+        conn = MySQLdb.connect(host=config["HOST"], port=int(config["PORT"] or 3306), user="root")
+        conn.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{name}` CHARACTER SET utf8mb4")
+        conn.close()
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def clear() -> None:
+    from django_idempotency.models import EventDelivery, OutboxEntry, ProcessedEvent
+    from testproject.shop.models import Effect, Order
+
+    for model in (OutboxEntry, Effect, ProcessedEvent, EventDelivery, Order):
+        model.objects.all().delete()
+
+
+@contextmanager
+def queue(broker: str, label: str) -> Iterator[str]:
+    from tests.workers import delete_queue, new_queue_name
+
+    name = new_queue_name(label)
+    try:
+        yield name
+    finally:
+        delete_queue(broker, name)
+
+
+# --- 1. What publish costs a transaction -------------------------------------------------------
+
+
+def publish_cost(transactions: int, rounds: int) -> dict[str, Any]:
+    from django.db import connection, transaction
+    from django.test.utils import CaptureQueriesContext
+
+    from django_idempotency import new_event_id, outbox
+    from testproject.shop.models import Order
+    from testproject.shop.tasks import effect
+
+    with queue(REDIS, "bench-publish") as name:
+
+        def alone() -> None:
+            with transaction.atomic():
+                Order.objects.create(reference="bench", amount_cents=1)
+
+        def on_commit() -> None:
+            with transaction.atomic():
+                Order.objects.create(reference="bench", amount_cents=1)
+                effect.apply_async_on_commit(kwargs={"event_id": str(new_event_id())}, queue=name)
+
+        def via_outbox() -> None:
+            with transaction.atomic():
+                Order.objects.create(reference="bench", amount_cents=1)
+                outbox.publish(effect, queue=name)
+
+        rows: dict[str, Callable[[], None]] = {
+            "order alone": alone,
+            "order + apply_async_on_commit (Redis)": on_commit,
+            "order + outbox.publish": via_outbox,
+        }
+        times: dict[str, list[float]] = {row: [] for row in rows}
+        statements: dict[str, int] = {}
+        for row, run in rows.items():  # warm-up, and the statement count
+            run()
+            with CaptureQueriesContext(connection) as captured:
+                run()
+            statements[row] = len(captured.captured_queries)
+        per_round = max(1, transactions // rounds)
+        for _ in range(rounds):
+            for row, run in rows.items():
+                for _ in range(per_round):
+                    started = time.perf_counter()
+                    run()
+                    times[row].append(time.perf_counter() - started)
+    clear()
+    base = statistics.mean(times["order alone"])
+    return {
+        row: {
+            "statements": statements[row],
+            "mean_us": round(statistics.mean(values) * 1e6),
+            "p50_us": round(percentile(values, 50) * 1e6),
+            "p99_us": round(percentile(values, 99) * 1e6),
+            "vs_alone": round(statistics.mean(values) / base, 2),
+            "transactions": len(values),
+        }
+        for row, values in times.items()
+    }
+
+
+# --- 2. Relay throughput -----------------------------------------------------------------------
+
+
+class NullTransport:
+    """Acknowledges every message at once: the relay's database work alone."""
+
+    def send(self, messages: Sequence[Any]) -> list[BaseException | None]:
+        return [None] * len(messages)
+
+    def close(self) -> None:
+        pass
+
+
+def fill(count: int, queue_name: str) -> None:
+    from django.db import transaction
+
+    from django_idempotency import outbox
+
+    for start in range(0, count, 500):
+        with transaction.atomic():
+            for n in range(start, min(count, start + 500)):
+                outbox.publish("shop.effect", queue=queue_name, key=f"k{n % 100}")
+
+
+def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
+    from django_idempotency.models import OutboxEntry
+    from django_idempotency.relay import Relay
+    from django_idempotency.transports import CeleryTransport, OutboxMessage
+    from testproject.celery import app
+
+    results: dict[str, Any] = {}
+    rows: list[tuple[str, str | None, dict[str, Any]]] = [
+        ("relay, null transport (database only)", None, {}),
+        ("relay, Celery to Redis (pipelined)", REDIS, {}),
+        ("relay, Celery to RabbitMQ (confirms)", RABBITMQ, {}),
+        ("relay, Celery to RabbitMQ (transactions)", RABBITMQ, {"transactions": True}),
+    ]
+    for label, broker, options in rows:
+        with queue(broker or REDIS, "bench-relay") as name:
+            fill(count, name)
+            transport: Any = (
+                NullTransport()
+                if broker is None
+                else CeleryTransport(app=app, broker_url=broker, **options)
+            )
+            relay = Relay(batch_size=batch_size, transports={"default": transport})
+            started = time.perf_counter()
+            total = relay.drain()
+            seconds = time.perf_counter() - started
+            transport.close()
+            assert total.sent == count, total
+            results[label] = {
+                "messages": count,
+                "seconds": round(seconds, 2),
+                "per_second": round(count / seconds),
+            }
+            if broker is not None:
+                # The same messages through the transport alone: the broker's share.
+                rows_sent = OutboxEntry.objects.order_by("pk")
+                messages = [OutboxMessage.from_entry(row) for row in rows_sent]
+                alone = CeleryTransport(app=app, broker_url=broker, **options)
+                started = time.perf_counter()
+                outcomes = [
+                    outcome
+                    for start in range(0, len(messages), batch_size)
+                    for outcome in alone.send(messages[start : start + batch_size])
+                ]
+                seconds = time.perf_counter() - started
+                alone.close()
+                assert all(outcome is None for outcome in outcomes)
+                results[label.replace("relay, ", "transport alone, ")] = {
+                    "messages": count,
+                    "seconds": round(seconds, 2),
+                    "per_second": round(count / seconds),
+                }
+        clear()
+    return results
+
+
+# --- 3. Latency from COMMIT to effect ----------------------------------------------------------
+
+
+def latency(count: int, rate: float, tmp: Path) -> dict[str, Any]:
+    from django.conf import settings
+    from django.db import connection, transaction
+    from django.test import override_settings
+    from django.utils import timezone
+
+    from django_idempotency import new_event_id, outbox
+    from django_idempotency.models import OutboxEntry
+    from testproject.shop.models import Effect
+    from testproject.shop.tasks import effect
+    from tests.outbox_helpers import celery_transports, start_relay
+    from tests.workers import database_url, start_worker, stop_workers, wait_ready
+
+    db_url = database_url(settings.DATABASES["default"])
+    results: dict[str, Any] = {}
+    with queue(REDIS, "bench-latency") as name:
+        worker = start_worker(
+            broker_url=REDIS, queue=name, db_url=db_url, name="bench-latency", log_dir=tmp,
+            concurrency=2,
+        )  # fmt: skip
+        wait_ready([worker])
+        modes: list[tuple[str, bool | None]] = [("apply_async_on_commit", None)]
+        if connection.vendor == "postgresql":
+            modes.append(("outbox, NOTIFY + 1 s poll", True))
+        modes.append(("outbox, 1 s poll only", False))
+        try:
+            for label, notify in modes:
+                relay = None
+                if notify is not None:
+                    relay = start_relay(
+                        "--poll-interval", "1", db_url=db_url,
+                        transports=celery_transports(REDIS), log=tmp / f"relay-{notify}.log",
+                        broker_url=REDIS,
+                    )  # fmt: skip
+                    deadline = time.monotonic() + 60
+                    while "outbox relay started" not in relay.output():
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"relay did not start:\n{relay.output()}")
+                        time.sleep(0.1)
+                    time.sleep(1)  # past Django's start-up: LISTEN is issued
+                committed: dict[str, float] = {}
+                with override_settings(IDEMPOTENCY={"OUTBOX_NOTIFY": bool(notify)}):
+                    for _ in range(count):
+                        event_id = str(new_event_id())
+                        with transaction.atomic():
+                            if notify is None:
+                                effect.apply_async_on_commit(
+                                    kwargs={"event_id": event_id}, queue=name
+                                )
+                            else:
+                                outbox.publish(effect, kwargs={"event_id": event_id}, queue=name)
+                        committed[event_id] = timezone.now().timestamp()
+                        time.sleep(1 / rate)
+                deadline = time.monotonic() + 120
+                while Effect.objects.filter(payload__in=list(committed)).count() < count:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{label}: effects missing\n{worker.output()[-3000:]}")
+                    time.sleep(0.2)
+                if relay is not None:
+                    relay.stop()
+                done = dict(
+                    Effect.objects.filter(payload__in=list(committed)).values_list(
+                        "payload", "created_at"
+                    )
+                )
+                values = [(done[e].timestamp() - t) * 1000 for e, t in committed.items()]
+                # The relay's share: COMMIT to the broker's acknowledgement (marked sent).
+                sent = dict(
+                    OutboxEntry.objects.filter(event_id__in=list(committed)).values_list(
+                        "event_id", "sent_at"
+                    )
+                )
+                relayed = [
+                    (sent[e].timestamp() - t) * 1000 for e, t in committed.items() if e in sent
+                ]
+                results[label] = {
+                    "messages": count,
+                    "p50_ms": round(percentile(values, 50), 1),
+                    "p99_ms": round(percentile(values, 99), 1),
+                    "max_ms": round(max(values), 1),
+                    "to_sent_p50_ms": round(percentile(relayed, 50), 1) if relayed else "-",
+                    "to_sent_p99_ms": round(percentile(relayed, 99), 1) if relayed else "-",
+                }
+                clear()
+        finally:
+            stop_workers([worker])
+    return results
+
+
+# --- The run -----------------------------------------------------------------------------------
+
+
+def table(title: str, rows: dict[str, dict[str, Any]]) -> str:
+    columns = list(next(iter(rows.values())))
+    width = max(len(row) for row in rows) + 2
+    lines = [f"\n{title}", " " * width + "".join(f"{c:>16}" for c in columns)]
+    for row, values in rows.items():
+        lines.append(f"{row:<{width}}" + "".join(f"{values[c]!s:>16}" for c in columns))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.outbox", description=__doc__)
+    parser.add_argument("--database-url", default=DEFAULT_DB)
+    parser.add_argument("--transactions", type=int, default=3000, help="publish cost, per row")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
+    parser.add_argument("--messages", type=int, default=20_000, help="relay throughput")
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--latency-messages", type=int, default=150)
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=5.0,
+        help="latency: commits per second; low enough that the relay idles between them",
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default="publish,relay,latency")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.transactions, args.rounds, args.messages, args.latency_messages = 60, 2, 500, 20
+    sys.path.insert(0, str(REPO))
+    setup(args.database_url)
+    from django.db import connection
+
+    clear()
+    sections = args.only.split(",")
+    results: dict[str, Any] = {"database": connection.vendor}
+    with tempfile.TemporaryDirectory(prefix="bench-outbox-") as tmp:
+        if "publish" in sections:
+            results["publish"] = publish_cost(args.transactions, args.rounds)
+        if "relay" in sections:
+            results["relay"] = relay_throughput(args.messages, args.batch_size)
+        if "latency" in sections:
+            results["latency"] = latency(args.latency_messages, args.rate, Path(tmp))
+    print(json.dumps(results, indent=2))
+    titles = {
+        "publish": "What a transaction costs (one Order insert, then the event)",
+        "relay": f"Relay throughput (one relay, batches of {args.batch_size})",
+        "latency": f"COMMIT to effect (a Celery worker, {args.rate:g} commits/s)",
+    }
+    for name, title in titles.items():
+        if name in results:
+            print(table(f"{title} [{connection.vendor}]", results[name]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
