@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from django.core.exceptions import ImproperlyConfigured
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
@@ -244,21 +244,27 @@ class ConsumerRunner:
                 max_deliveries=settings.max_deliveries,
             )
         except EventParked:
-            deliveries, error = self._delivery_record(event_id)
+            try:
+                deliveries, error = self._delivery_record(event_id)
+            except DatabaseError:
+                return self._retry_later(message, event_id)
             return self._dead_letter(message, error, deliveries)
-        except Exception:  # logged, recorded by the core, and the message redelivered
-            logger.warning(
-                "handler failed, nothing applied; the message is delivered again in %ss: "
-                "event %s, consumer %s, %s",
-                settings.retry_delay,
-                event_id,
-                settings.name,
-                _describe(message),
-                exc_info=True,
-            )
-            close_old_connections()  # a broken connection is replaced before the next try
-            return Outcome.RETRY
+        except Exception:  # noqa: BLE001 - logged with its traceback, recorded, redelivered
+            return self._retry_later(message, event_id)
         return Outcome.APPLIED if processed.applied else Outcome.DUPLICATE
+
+    def _retry_later(self, message: Message, event_id: str) -> Outcome:
+        logger.warning(
+            "delivery failed, the message comes back in %ss (if it did commit, it is then "
+            "skipped as a duplicate): event %s, consumer %s, %s",
+            self.settings.retry_delay,
+            event_id,
+            self.settings.name,
+            _describe(message),
+            exc_info=True,
+        )
+        close_old_connections()  # a broken connection is replaced before the next try
+        return Outcome.RETRY
 
     # Offsets and rebalances
 
