@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from django_idempotency.checks import check_settings
@@ -186,3 +187,11 @@ def test_the_guides_consumer_setting_is_valid() -> None:
         assert consumer_settings("billing.ledger").group == "billing"
     # Only the guide's own handler module is missing here.
     assert ids(messages) == ["django_idempotency.E041"]
+
+
+def test_the_command_names_the_known_consumers_when_asked_for_another() -> None:
+    with (
+        override_settings(IDEMPOTENCY=consumer()),
+        pytest.raises(CommandError, match=r"No Kafka consumer named 'billing'.*'billing\.ledger'"),
+    ):
+        call_command("idempotency_consume", "billing")
