@@ -186,6 +186,7 @@ class ConsumerRunner:
                 message = consumer.poll(settings.poll_timeout)
                 if message is None:
                     self._commit_if_due()
+                    close_old_connections()  # when idle, as CONN_MAX_AGE says
                     continue
                 error = message.error()
                 if error is not None:

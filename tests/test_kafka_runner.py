@@ -10,6 +10,7 @@ its topic before it counts.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import threading
 import uuid
@@ -225,8 +226,22 @@ def test_two_consumers_through_rebalances_apply_each_event_once(
 
     assert effects() == Counter({e["event_id"]: 1 for batch in batches for e in batch})
     assert "revoked" in first.output() and second.output().count("assigned") >= 2
-    # The revoked partitions' offsets were committed before they moved: nothing came twice.
-    assert "duplicate ignored" not in first.output() + second.output()
+    # The revoked partitions' offsets were committed before they moved, so nothing came twice,
+    # except from a partition whose revoke commit the coordinator refused (the mock cluster
+    # sometimes answers REBALANCE_IN_PROGRESS), which the runner logs.
+    logs = first.output() + second.output()
+    partition_of = {
+        dict(m.headers() or [])["event_id"].decode(): m.partition()
+        for m in cluster.read(consumers.topic, 180)
+    }
+    refused = {
+        int(partition)
+        for line in logs.splitlines()
+        if line.startswith("offset commit failed") and "REBALANCE_IN_PROGRESS" in line
+        for partition in re.findall(re.escape(consumers.topic) + r"\[(\d+)\]", line)
+    }
+    twice = re.findall(r"duplicate ignored: event (\S+),", logs)
+    assert {partition_of[event] for event in twice} <= refused, (twice, refused)
 
 
 def wait_for_effects(count: int, timeout: float = 60.0) -> None:
