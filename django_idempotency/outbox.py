@@ -115,7 +115,8 @@ def send(
     :param event_id: the event id; default a new UUIDv7.
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
-    :raises ValueError, TypeError: an invalid argument; nothing is written.
+    :raises ValueError: an empty or too long name, key or event id; nothing is written.
+    :raises TypeError: a payload that is not JSON, headers that are not strings.
     :raises ImproperlyConfigured: ``transport`` is not configured.
     """
     alias = using if using is not None else conf.DATABASE

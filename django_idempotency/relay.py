@@ -36,9 +36,9 @@ when their order matters.
 Waking up
 ---------
 :meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
-``poll_interval`` seconds. On PostgreSQL it also ``LISTEN``\\ s on the outbox channel, and the
-producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only costs one
-poll interval.
+``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
+and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
+costs one poll interval.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any
 
 from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from django_idempotency.conf import conf
@@ -165,12 +165,22 @@ class Relay:
     def _claim(self) -> list[OutboxEntry]:
         connection = connections[self.using]
         now = timezone.now()
+        rows = OutboxEntry.objects.using(self.using)
+        # An earlier message of the same key that cannot go now (parked, in backoff, leased by
+        # another relay) holds back the rest of its key: those rows are left out here, so a long
+        # queue behind a blocked head never fills the batch and starves the other keys.
+        blocked_before = rows.filter(
+            ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id")
+        ).filter(
+            Q(state=PARKED)
+            | Q(state=PENDING) & (Q(available_at__gt=now) | Q(locked_until__gte=now))
+        )
         with _claim_transaction(connection):
             queryset = (
-                OutboxEntry.objects.using(self.using)
-                .filter(state=PENDING)
+                rows.filter(state=PENDING)
                 .filter(Q(available_at__isnull=True) | Q(available_at__lte=now))
                 .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=now))
+                .filter(~Exists(blocked_before))
                 .order_by("id")
             )
             if connection.features.has_select_for_update_skip_locked:
@@ -406,7 +416,7 @@ def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
 
 
 class _Listener:
-    """A connection of its own that ``LISTEN``\\ s on the outbox channel (PostgreSQL only)."""
+    """A connection of its own that listens on the outbox channel (PostgreSQL only)."""
 
     def __init__(self, wrapper: BaseDatabaseWrapper) -> None:
         self.wrapper = wrapper

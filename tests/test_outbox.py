@@ -1,7 +1,7 @@
 """``outbox.publish`` and ``outbox.send``: one row in the caller's transaction, or nothing.
 
 Runs on every backend. The NOTIFY tests run in the PostgreSQL pass: a second connection
-``LISTEN``\\ s and sees the notification only once the producer's transaction commits.
+runs ``LISTEN`` and sees the notification only once the producer's transaction commits.
 """
 
 from __future__ import annotations
@@ -221,3 +221,14 @@ def test_no_notify_for_a_rollback_or_when_turned_off() -> None:
         assert OutboxEntry.objects.count() == 1
     finally:
         wrapper.close()
+
+
+def test_the_kill_after_commit_probe_refuses_outside_the_test_server(client: Any) -> None:
+    """It SIGKILLs its process after COMMIT: never the test process or a demo server."""
+    response = client.post(
+        "/probe/outbox/order-then-die/",
+        b'{"queue": "q", "outbox": "a", "on_commit": "b"}',
+        content_type="application/json",
+    )
+    assert response.status_code == 403
+    assert not OutboxEntry.objects.exists()

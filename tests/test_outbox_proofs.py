@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 from django.db import connection, transaction
 
-from django_idempotency import outbox
+from django_idempotency import new_event_id, outbox
 from django_idempotency.models import EventDelivery, OutboxEntry, ProcessedEvent
-from testproject.shop.models import Effect
+from testproject.shop.models import Effect, Order
 from tests.conftest import require_service
 from tests.outbox_helpers import (
     Process,
@@ -37,7 +37,7 @@ from tests.outbox_helpers import (
     start_relay,
     wait_for,
 )
-from tests.servers import free_port
+from tests.servers import free_port, gunicorn
 from tests.services import ADDRESSES, BROKER_URLS
 from tests.workers import WorkerGroup, database_url, worker_group
 
@@ -133,6 +133,33 @@ def test_producer_killed_right_after_commit_still_delivers_once(
     assert effects(ids["on_commit"]) == 0  # delay_on_commit lost it with the process
     assert effects(ids["rolled_back"]) == 0  # a rolled-back transaction published nothing
     assert OutboxEntry.objects.get().state == "sent"
+
+
+def test_web_worker_killed_right_after_commit_still_delivers_once(
+    workers: WorkerGroup, broker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same crash in a gunicorn worker serving the request over HTTP."""
+    monkeypatch.setenv("CELERY_BROKER_URL", BROKER_URLS[broker])  # apply_async_on_commit: real
+    ids = {"outbox": str(new_event_id()), "on_commit": str(new_event_id())}
+    body = json.dumps({"queue": workers.queue, **ids}).encode()
+    with gunicorn(connection.settings_dict, workers=1) as server, pytest.raises(OSError):
+        server.post("/probe/outbox/order-then-die/", "unused", body=body)  # dies: no answer
+    (row,) = OutboxEntry.objects.all()
+    assert (row.event_id, row.state) == (ids["outbox"], "pending")
+    assert Order.objects.filter(reference="KILLED-AFTER-COMMIT").count() == 1  # committed
+
+    relay = start_relay(
+        "--once",
+        db_url=db_url(),
+        transports=celery_transports(BROKER_URLS[broker]),
+        log=tmp_path / "relay.log",
+        broker_url=BROKER_URLS[broker],
+    )
+    assert relay.wait(60) == 0, relay.output()
+    settle(1, workers.logs)
+
+    assert effects(ids["outbox"]) == 1
+    assert effects(ids["on_commit"]) == 0
 
 
 def test_broker_down_at_commit_is_delivered_once_it_is_back(

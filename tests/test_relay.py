@@ -434,3 +434,23 @@ def test_a_relay_that_lost_its_lease_does_not_clobber_the_new_holder() -> None:
     # The holder's own outcome is recorded: the broker has it.
     second._record([claimed_by_second], [None], BatchResult())
     assert OutboxEntry.objects.get().state == "sent"
+
+
+@pytest.mark.parametrize("blocker", ["parked", "backoff", "leased"])
+def test_a_blocked_key_with_a_long_queue_does_not_starve_other_keys(blocker: str) -> None:
+    """More messages wait behind a blocked head than a batch holds: other keys still go."""
+    write("head", *[f"behind-{n}" for n in range(6)], key="stuck")
+    write("free", key="other")
+    blocked = {
+        "parked": {"state": "parked"},
+        "backoff": {"available_at": timezone.now() + timedelta(hours=1)},
+        "leased": {"locked_until": timezone.now() + timedelta(hours=1)},
+    }[blocker]
+    OutboxEntry.objects.filter(destination="head").update(**blocked)
+    transport = RecordingTransport()
+
+    result = relay(transport, batch_size=3).run_once()
+
+    assert transport.sent == ["free"]
+    assert result.sent == 1
+    assert OutboxEntry.objects.filter(ordering_key="stuck", state="sent").count() == 0

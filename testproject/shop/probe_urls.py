@@ -2,6 +2,7 @@
 
 from django.urls import URLPattern, path
 
+from testproject.shop import outbox_probe
 from testproject.shop import probe_views as views
 
 urlpatterns: list[URLPattern] = [
@@ -23,4 +24,5 @@ urlpatterns: list[URLPattern] = [
     path("mw/raise/", views.undecorated_raising, name="probe-mw-raise"),
     path("mw/async/", views.undecorated_async, name="probe-mw-async"),
     path("mw/decorated/", views.required, name="probe-mw-decorated"),
+    path("outbox/order-then-die/", outbox_probe.order_then_die, name="probe-outbox-die"),
 ]
