@@ -62,7 +62,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
+def kafka_cluster() -> Iterator[Cluster]:
     """A Kafka cluster for the whole run: librdkafka's mock cluster, or the broker named by
     ``KAFKA_BOOTSTRAP_SERVERS`` (see tests/kafka_cluster.py)."""
     pytest.importorskip("confluent_kafka")

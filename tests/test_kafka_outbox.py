@@ -32,31 +32,31 @@ pytestmark = [
 ]
 
 
-def transports(cluster: Cluster) -> dict[str, Any]:
+def transports(kafka_cluster: Cluster) -> dict[str, Any]:
     return {
         "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
         "kafka": {
             "BACKEND": "django_idempotency.kafka.KafkaTransport",
-            "OPTIONS": {"config": {"bootstrap.servers": cluster.bootstrap}},
+            "OPTIONS": {"config": {"bootstrap.servers": kafka_cluster.bootstrap}},
         },
     }
 
 
-def relay_once(cluster: Cluster) -> str:
+def relay_once(kafka_cluster: Cluster) -> str:
     env = manage_env(
         database_url(connection.settings_dict),
-        IDEMPOTENCY_OUTBOX_TRANSPORTS=json.dumps(transports(cluster)),
+        IDEMPOTENCY_OUTBOX_TRANSPORTS=json.dumps(transports(kafka_cluster)),
     )
     done = run_manage(env, "idempotency_relay", "--once")
     return done.stdout + done.stderr
 
 
 def test_outbox_through_the_relay_and_kafka_to_the_runner_one_effect_per_event(
-    cluster: Cluster, tmp_path: Path
+    kafka_cluster: Cluster, tmp_path: Path
 ) -> None:
-    topic = cluster.new_topic("outbox")
+    topic = kafka_cluster.new_topic("outbox")
     group = f"group-{uuid.uuid4().hex[:8]}"
-    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports(cluster)}):
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports(kafka_cluster)}):
         with transaction.atomic():
             sent = [
                 outbox.send(topic, {"n": n}, key=f"order-{n % 5}", transport="kafka")
@@ -66,16 +66,16 @@ def test_outbox_through_the_relay_and_kafka_to_the_runner_one_effect_per_event(
             outbox.send(topic, {"n": "rolled back"}, transport="kafka")
             raise RuntimeError("the producer's transaction rolls back: its message never leaves")
 
-    relay_once(cluster)
-    assert cluster.count(topic) == 50
+    relay_once(kafka_cluster)
+    assert kafka_cluster.count(topic) == 50
     # As if the relay had died after Kafka's acknowledgements, before recording them: every
     # message goes out a second time.
     assert OutboxEntry.objects.filter(state="sent").update(state="pending", sent_at=None) == 50
-    relay_once(cluster)
-    assert cluster.count(topic) == 100
+    relay_once(kafka_cluster)
+    assert kafka_cluster.count(topic) == 100
 
     consumer = start_consumer(
-        cluster,
+        kafka_cluster,
         topic=topic,
         group=group,
         db_url=database_url(connection.settings_dict),
@@ -83,7 +83,7 @@ def test_outbox_through_the_relay_and_kafka_to_the_runner_one_effect_per_event(
         name="consumer",
     )
     try:
-        cluster.wait_caught_up(topic, group)
+        kafka_cluster.wait_caught_up(topic, group)
         assert consumer.terminate() == 0
     finally:
         if consumer.process.poll() is None:

@@ -1,6 +1,6 @@
-"""Proofs of the Kafka consumer runner: real client, real cluster, real consumer processes.
+"""Proofs of the Kafka consumer runner: real client, real kafka_cluster, real consumer processes.
 
-The cluster is librdkafka's mock cluster, started inside the pytest process (see
+The kafka_cluster is librdkafka's mock kafka_cluster, started inside the pytest process (see
 ``tests/kafka_cluster.py``), or the broker named by ``KAFKA_BOOTSTRAP_SERVERS``. Each consumer
 is a ``manage.py idempotency_consume shop.kafka`` subprocess on the test database; the handler
 (``testproject/shop/kafka_handlers.py``) writes one ``Effect`` per execution, so an event
@@ -44,15 +44,15 @@ pytestmark = [
 
 
 @pytest.fixture
-def consumers(cluster: Cluster, tmp_path: Path) -> Iterator[Any]:
+def consumers(kafka_cluster: Cluster, tmp_path: Path) -> Iterator[Any]:
     """Start consumers on one topic and group; SIGKILL whatever is left after the test."""
     started: list[ConsumerProcess] = []
-    topic = cluster.new_topic("runner")
+    topic = kafka_cluster.new_topic("runner")
     group = f"group-{uuid.uuid4().hex[:8]}"
 
     def start(**env: str) -> ConsumerProcess:
         process = start_consumer(
-            cluster,
+            kafka_cluster,
             topic=topic,
             group=group,
             db_url=database_url(connection.settings_dict),
@@ -79,11 +79,11 @@ def effects() -> Counter[str]:
     return Counter(Effect.objects.filter(name="kafka").values_list("payload", flat=True))
 
 
-def test_each_event_delivered_twice_has_one_effect(cluster: Cluster, consumers: Any) -> None:
+def test_each_event_delivered_twice_has_one_effect(kafka_cluster: Cluster, consumers: Any) -> None:
     batch = events(40)
-    cluster.produce(consumers.topic, batch + batch, key=lambda e: e["event_id"])
+    kafka_cluster.produce(consumers.topic, batch + batch, key=lambda e: e["event_id"])
     consumer = consumers()
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
 
     assert effects() == Counter({e["event_id"]: 1 for e in batch})
     assert ProcessedEvent.objects.filter(consumer="shop.kafka").count() == 40
@@ -93,38 +93,38 @@ def test_each_event_delivered_twice_has_one_effect(cluster: Cluster, consumers: 
 
 
 def test_killed_after_the_database_commit_before_the_offset_commit(
-    cluster: Cluster, consumers: Any, tmp_path: Path
+    kafka_cluster: Cluster, consumers: Any, tmp_path: Path
 ) -> None:
     [paused] = events(1, behaviour="pause_after_commit")
     after = events(5)
-    cluster.produce(consumers.topic, [paused, *after], key=lambda e: "one-partition")
+    kafka_cluster.produce(consumers.topic, [paused, *after], key=lambda e: "one-partition")
     first = consumers(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
     marker = tmp_path / f"{paused['event_id']}.committed"
     wait_for_file(marker, first)
     first.kill()  # after COMMIT, before the offset commit
 
     assert effects() == Counter({paused["event_id"]: 1})
-    assert cluster.backlog(consumers.topic, consumers.group) == 6  # nothing committed
+    assert kafka_cluster.backlog(consumers.topic, consumers.group) == 6  # nothing committed
 
     second = consumers()
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
     assert effects() == Counter({e["event_id"]: 1 for e in [paused, *after]})
     assert second.terminate() == 0
     assert "duplicate ignored: event " + paused["event_id"] in second.output()
 
 
 def test_sigterm_finishes_the_message_in_hand_and_commits_its_offset(
-    cluster: Cluster, consumers: Any, tmp_path: Path
+    kafka_cluster: Cluster, consumers: Any, tmp_path: Path
 ) -> None:
     [slow] = events(1, behaviour="slow")
-    cluster.produce(consumers.topic, [slow])
+    kafka_cluster.produce(consumers.topic, [slow])
     consumer = consumers(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
     wait_for_file(tmp_path / f"{slow['event_id']}.started", consumer)
 
     assert consumer.terminate() == 0  # sent while the handler sleeps in its transaction
 
     assert effects() == Counter({slow["event_id"]: 1})
-    assert cluster.backlog(consumers.topic, consumers.group) == 0
+    assert kafka_cluster.backlog(consumers.topic, consumers.group) == 0
     assert "SIGTERM: stopping after this message" in consumer.output()
     assert "stopped: 1 applied" in consumer.output()
 
@@ -140,22 +140,22 @@ def wait_for_file(path: Path, consumer: ConsumerProcess, timeout: float = 60.0) 
 
 
 def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
-    cluster: Cluster, consumers: Any
+    kafka_cluster: Cluster, consumers: Any
 ) -> None:
     [poison] = events(1, behaviour="fail")
     [flaky] = events(1, behaviour="fail_twice")
     healthy = events(5)
     no_id = {"behaviour": "none", "note": "no event id"}
     # One key, one partition: the healthy events queue up behind the poison message.
-    cluster.produce(
+    kafka_cluster.produce(
         consumers.topic, [poison, flaky, no_id, *healthy], key=lambda e: "one-partition"
     )
     consumer = consumers()
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
 
     applied = Counter({e["event_id"]: 1 for e in [flaky, *healthy]})
     assert effects() == applied  # the failures rolled their effects back
-    dead = cluster.read(f"{consumers.topic}.dlq", 2)
+    dead = kafka_cluster.read(f"{consumers.topic}.dlq", 2)
     assert len(dead) == 2
     by_id = {dict(m.headers() or []).get("event_id"): m for m in dead}
     headers = dict(by_id[poison["event_id"].encode()].headers() or [])
@@ -175,11 +175,11 @@ def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
 
 
 def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
-    cluster: Cluster, consumers: Any
+    kafka_cluster: Cluster, consumers: Any
 ) -> None:
     [killer] = events(1, behaviour="die")
     healthy = events(3)
-    cluster.produce(consumers.topic, [killer, *healthy], key=lambda e: "one-partition")
+    kafka_cluster.produce(consumers.topic, [killer, *healthy], key=lambda e: "one-partition")
     deaths = 0
     while deaths < 5:  # MAX_DELIVERIES=3: three deaths, then the 4th delivery parks it
         consumer = consumers()
@@ -192,10 +192,10 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         assert consumer.process.returncode == -9, consumer.output()
         deaths += 1
     assert deaths == 3
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
 
     assert effects() == Counter({e["event_id"]: 1 for e in healthy})
-    [dead] = cluster.read(f"{consumers.topic}.dlq", 1)
+    [dead] = kafka_cluster.read(f"{consumers.topic}.dlq", 1)
     headers = dict(dead.headers() or [])
     assert headers["event_id"] == killer["event_id"].encode()
     assert headers["dlq.deliveries"] == b"4"
@@ -203,7 +203,7 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
 
 
 def test_two_consumers_through_rebalances_apply_each_event_once(
-    cluster: Cluster, consumers: Any
+    kafka_cluster: Cluster, consumers: Any
 ) -> None:
     """Offsets are committed only on a revoke or a stop here (COMMIT_INTERVAL of ten minutes),
     so every message handed over in a rebalance shows whether the revoke committed first."""
@@ -211,18 +211,18 @@ def test_two_consumers_through_rebalances_apply_each_event_once(
     by_key = lambda e: e["event_id"]  # noqa: E731 - spread over every partition
     rarely = {"SHOP_KAFKA_COMMIT_INTERVAL": "600"}
     first = consumers(**rarely)
-    cluster.produce(consumers.topic, batches[0], key=by_key)
+    kafka_cluster.produce(consumers.topic, batches[0], key=by_key)
     first.wait_for("assigned")
     wait_for_effects(60)
     second = consumers(**rarely)  # joins: every partition is revoked and shared out again
     second.wait_for("assigned")
-    cluster.produce(consumers.topic, batches[1], key=by_key)
+    kafka_cluster.produce(consumers.topic, batches[1], key=by_key)
     wait_for_effects(120)
     assert first.terminate() == 0  # leaves: the second takes every partition
-    cluster.produce(consumers.topic, batches[2], key=by_key)
+    kafka_cluster.produce(consumers.topic, batches[2], key=by_key)
     wait_for_effects(180)
     assert second.terminate() == 0
-    assert cluster.backlog(consumers.topic, consumers.group) == 0
+    assert kafka_cluster.backlog(consumers.topic, consumers.group) == 0
 
     assert effects() == Counter({e["event_id"]: 1 for batch in batches for e in batch})
     assert "revoked" in first.output() and second.output().count("assigned") >= 2
@@ -232,7 +232,7 @@ def test_two_consumers_through_rebalances_apply_each_event_once(
     logs = first.output() + second.output()
     partition_of = {
         dict(m.headers() or [])["event_id"].decode(): m.partition()
-        for m in cluster.read(consumers.topic, 180)
+        for m in kafka_cluster.read(consumers.topic, 180)
     }
     refused = {
         int(partition)
@@ -253,40 +253,41 @@ def wait_for_effects(count: int, timeout: float = 60.0) -> None:
 
 
 def test_dead_letter_replay_applies_the_event_once(
-    cluster: Cluster, consumers: Any, tmp_path: Path
+    kafka_cluster: Cluster, consumers: Any, tmp_path: Path
 ) -> None:
     [poison] = events(1, behaviour="fail")
-    cluster.produce(consumers.topic, [poison])
+    kafka_cluster.produce(consumers.topic, [poison])
     broken = consumers()
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
     assert broken.terminate() == 0
     assert effects() == Counter()
-    [dead] = cluster.read(f"{consumers.topic}.dlq", 1)
+    [dead] = kafka_cluster.read(f"{consumers.topic}.dlq", 1)
 
-    replay = replay_command(cluster, consumers.topic, consumers.group)
+    replay = replay_command(kafka_cluster, consumers.topic, consumers.group)
     assert replay.stdout.strip().endswith("1 replayed"), replay.stdout + replay.stderr
-    again = replay_command(cluster, consumers.topic, consumers.group)
+    again = replay_command(kafka_cluster, consumers.topic, consumers.group)
     assert again.stdout.strip().endswith("nothing to replay"), again.stdout + again.stderr
     assert not EventDelivery.objects.filter(event_id=poison["event_id"]).exists()  # un-parked
 
     fixed = consumers(SHOP_KAFKA_FIXED="1")
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
     assert effects() == Counter({poison["event_id"]: 1})
     # The same dead letter replayed once more, by hand: skipped as a duplicate.
-    cluster.producer.produce(
+    kafka_cluster.producer.produce(
         consumers.topic,
         value=dead.value(),
         headers=[(n, v) for n, v in dead.headers() or [] if not n.startswith("dlq.")],
     )
-    cluster.producer.flush(10)
-    cluster.wait_caught_up(consumers.topic, consumers.group)
+    kafka_cluster.producer.flush(10)
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
     assert effects() == Counter({poison["event_id"]: 1})
     assert fixed.terminate() == 0
     assert "duplicate ignored: event " + poison["event_id"] in fixed.output()
 
 
-def replay_command(cluster: Cluster, topic: str, group: str) -> subprocess.CompletedProcess[str]:
-    env = consumer_env(
-        cluster, topic=topic, group=group, db_url=database_url(connection.settings_dict)
-    )
+def replay_command(
+    kafka_cluster: Cluster, topic: str, group: str
+) -> subprocess.CompletedProcess[str]:
+    db_url = database_url(connection.settings_dict)
+    env = consumer_env(kafka_cluster, topic=topic, group=group, db_url=db_url)
     return run_manage(env, "idempotency_consume", "--replay-dead-letters", CONSUMER)

@@ -1,6 +1,7 @@
 """KafkaTransport, the outbox relay's Kafka transport, against a real client and cluster.
 
-The cluster is librdkafka's mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS`` (tests/kafka_cluster.py).
+The cluster is librdkafka's mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS``
+(tests/kafka_cluster.py).
 """
 
 from __future__ import annotations
@@ -45,17 +46,18 @@ def outgoing(
 
 
 @pytest.fixture
-def transport(cluster: Cluster) -> Iterator[KafkaTransport]:
-    kafka = KafkaTransport({"bootstrap.servers": cluster.bootstrap, "message.max.bytes": 20000})
+def transport(kafka_cluster: Cluster) -> Iterator[KafkaTransport]:
+    config = {"bootstrap.servers": kafka_cluster.bootstrap, "message.max.bytes": 20000}
+    kafka = KafkaTransport(config)
     yield kafka
     kafka.close()
 
 
 @pytest.mark.slow
 def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
-    cluster: Cluster, transport: KafkaTransport
+    kafka_cluster: Cluster, transport: KafkaTransport
 ) -> None:
-    topic = cluster.new_topic("transport")
+    topic = kafka_cluster.new_topic("transport")
     messages = [
         outgoing(topic, {"n": n}, ordering_key=f"order-{n % 3}" if n % 4 else None)
         for n in range(40)
@@ -65,7 +67,7 @@ def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
 
     assert transport.send(messages) == [None] * 40
 
-    received = cluster.read(topic, 40)
+    received = kafka_cluster.read(topic, 40)
     assert len(received) == 40
     by_event = {dict(m.headers() or [])["event_id"].decode(): m for m in received}
     assert set(by_event) == {m.event_id for m in messages}
@@ -86,9 +88,9 @@ def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
 
 @pytest.mark.slow
 def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
-    cluster: Cluster, transport: KafkaTransport
+    kafka_cluster: Cluster, transport: KafkaTransport
 ) -> None:
-    topic = cluster.new_topic("transport-fail")
+    topic = kafka_cluster.new_topic("transport-fail")
     too_big = {"blob": "x" * 50_000}  # over message.max.bytes: refused by the client
     messages = [
         outgoing(topic, {"n": 0}, "a"),
@@ -103,8 +105,8 @@ def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
     assert results[0] is None and results[3] is None and results[4] is None
     assert isinstance(results[1], KafkaException)
     assert results[2] is results[1]  # not sent: reported with the failure that held it back
-    assert cluster.count(topic) == 3
-    received = cluster.read(topic, 3)
+    assert kafka_cluster.count(topic) == 3
+    received = kafka_cluster.read(topic, 3)
     assert sorted(json.loads(m.value() or b"")["n"] for m in received) == [0, 3, 4]
 
 
