@@ -1,6 +1,6 @@
 """Proofs of the Kafka consumer runner: real client, real kafka_cluster, real consumer processes.
 
-The kafka_cluster is librdkafka's mock kafka_cluster, started inside the pytest process (see
+The cluster is librdkafka's mock cluster, started inside the pytest process (see
 ``tests/kafka_cluster.py``), or the broker named by ``KAFKA_BOOTSTRAP_SERVERS``. Each consumer
 is a ``manage.py idempotency_consume shop.kafka`` subprocess on the test database; the handler
 (``testproject/shop/kafka_handlers.py``) writes one ``Effect`` per execution, so an event
