@@ -1,4 +1,4 @@
-"""Proofs of the Kafka consumer runner: real client, real kafka_cluster, real consumer processes.
+"""Proofs of the Kafka consumer runner: real client, real cluster, real consumer processes.
 
 The cluster is librdkafka's mock cluster, started inside the pytest process (see
 ``tests/kafka_cluster.py``), or the broker named by ``KAFKA_BOOTSTRAP_SERVERS``. Each consumer
