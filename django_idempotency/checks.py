@@ -17,6 +17,8 @@ django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
 django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
 django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
 django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
+django_idempotency.E040 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
+django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 ======================  =====================================================================
 """
 
@@ -32,6 +34,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import OPTIONS, SETTING_NAME, conf
+from django_idempotency.kafka_settings import check_consumers as check_kafka_consumers
 
 MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
 AUTHENTICATION_MIDDLEWARE_PATH = "django.contrib.auth.middleware.AuthenticationMiddleware"
@@ -69,6 +72,7 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
                 )
             )
     messages.extend(_ttl_warnings(valid))
+    messages.extend(check_kafka_consumers(valid.get("KAFKA_CONSUMERS") or {}))
     if valid.get("OWNER"):
         messages.extend(_owner_errors(valid["OWNER"]))
     return messages

@@ -21,11 +21,14 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
+
+if TYPE_CHECKING:
+    from django_idempotency.kafka_settings import ConsumerSettings
 
 SETTING_NAME = "IDEMPOTENCY"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -170,6 +173,12 @@ def _boolean(name: str, value: Any) -> bool:
     return value
 
 
+def _kafka_consumers(name: str, value: Any) -> Any:
+    from django_idempotency.kafka_settings import parse_consumers
+
+    return parse_consumers(name, value)
+
+
 PARTITION_INTERVALS = ("day", "month")
 
 
@@ -264,6 +273,11 @@ OPTIONS: dict[str, Option] = {
     ),
     "MAX_DELIVERIES": Option(
         5, _positive_int(), "Deliveries of one event before a consumer parks it."
+    ),
+    "KAFKA_CONSUMERS": Option(
+        {},
+        _kafka_consumers,
+        "Kafka consumers run by idempotency_consume: {name: {HANDLER, TOPICS, GROUP, CONFIG}}.",
     ),
     "PURGE_BATCH_SIZE": Option(
         1000, _positive_int(MAX_BATCH_SIZE), "Rows deleted per purge transaction."
@@ -393,6 +407,10 @@ class IdempotencySettings:
     @property
     def MAX_DELIVERIES(self) -> int:
         return self.value("MAX_DELIVERIES")  # type: ignore[no-any-return]
+
+    @property
+    def KAFKA_CONSUMERS(self) -> dict[str, ConsumerSettings]:
+        return self.value("KAFKA_CONSUMERS")  # type: ignore[no-any-return]
 
     @property
     def PURGE_BATCH_SIZE(self) -> int:

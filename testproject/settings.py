@@ -136,6 +136,26 @@ if env("IDEMPOTENCY_OUTBOX_TRANSPORTS", default=""):
 
 PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
 
+# The Kafka consumer of the Kafka tests (tests/test_kafka_runner.py), which set these variables.
+if env("SHOP_KAFKA_BOOTSTRAP", default=""):
+    IDEMPOTENCY["KAFKA_CONSUMERS"] = {
+        "shop.kafka": {
+            "HANDLER": "testproject.shop.kafka_handlers.apply",
+            "TOPICS": env.list("SHOP_KAFKA_TOPICS"),
+            "GROUP": env("SHOP_KAFKA_GROUP"),
+            "CONFIG": {
+                "bootstrap.servers": env("SHOP_KAFKA_BOOTSTRAP"),
+                "session.timeout.ms": 6000,
+                "heartbeat.interval.ms": 500,
+            },
+            "EVENT_ID": env("SHOP_KAFKA_EVENT_ID", default="header:event_id"),
+            "MAX_DELIVERIES": 3,
+            "RETRY_DELAY": 0.2,
+            "POLL_TIMEOUT": 0.2,
+            "COMMIT_INTERVAL": env.float("SHOP_KAFKA_COMMIT_INTERVAL", default=0.0),
+        }
+    }
+
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=not CELERY_BROKER_URL)
 CELERY_TASK_EAGER_PROPAGATES = True

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 from django.db import connection
 
 from tests.services import BROKER_URLS, reachable
+
+if TYPE_CHECKING:
+    from tests.kafka_cluster import Cluster
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
 PGBOUNCER = os.environ.get("PGBOUNCER") == "1"
@@ -101,6 +105,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             red=True,
             bold=True,
         )
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster() -> Iterator[Cluster]:
+    """A Kafka cluster for the whole run: librdkafka's mock cluster, or the broker named by
+    ``KAFKA_BOOTSTRAP_SERVERS`` (see tests/kafka_cluster.py)."""
+    pytest.importorskip("confluent_kafka")
+    from tests.kafka_cluster import Cluster
+
+    kafka = Cluster()
+    yield kafka
+    kafka.close()
 
 
 @pytest.fixture(params=sorted(BROKER_URLS))

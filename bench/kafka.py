@@ -1,0 +1,139 @@
+"""Kafka: messages per second through the consumer runner, with and without the reservation.
+
+Both rows run the same :class:`django_idempotency.kafka.ConsumerRunner` loop on librdkafka's mock
+cluster (started in this process): poll, one ``transaction.atomic`` per message that inserts one
+``Effect``, then a synchronous offset commit. They differ in the transaction only:
+
+* ``handler alone``: the handler in ``transaction.atomic`` (an unprotected consumer);
+* ``with the reservation``: :func:`~django_idempotency.events.process_event`, as the runner
+  does: the delivery count committed apart, then the reservation and the handler in one
+  transaction.
+
+Rounds alternate the rows; each round consumes ``--messages`` fresh messages from a topic of its
+own, timed from the first message handled to the last (the group join is not timed). The ratio
+is the median over rounds of (with the reservation) / (handler alone), measured side by side::
+
+    BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/idempotency_bench_app \\
+        python -m bench.kafka --messages 2000 --rounds 3
+
+It prints one JSON document on stdout. The mock cluster keeps everything in memory in this same
+process, so the figures say what the reservation costs next to the runner's own work, not what
+a real broker sustains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import uuid
+from typing import Any
+
+ROWS = ("handler alone", "with the reservation")
+
+
+def _setup() -> None:
+    import django
+
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.benchproject.settings")
+    os.environ.setdefault("BENCH_VARIANT", "app")
+    django.setup()
+    from django.core.management import call_command
+
+    call_command("migrate", verbosity=0)
+
+
+def run(messages: int, rounds: int) -> dict[str, Any]:
+    _setup()
+    from confluent_kafka import Message, Producer
+    from django.db import transaction
+
+    from bench.benchproject.models import Effect
+    from django_idempotency.kafka import ConsumerRunner, Outcome
+    from django_idempotency.kafka_settings import ConsumerSettings
+
+    owner = Producer({"test.mock.num.brokers": 1, "log_level": 3})
+    bootstrap = ",".join(
+        f"{b.host}:{b.port}" for b in owner.list_topics(timeout=10).brokers.values()
+    )
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+
+    def handler(message: Message) -> None:
+        Effect.objects.create(name="kafka-bench", payload=str(message.offset()), amount_cents=1)
+
+    class TimedRunner(ConsumerRunner):
+        first: float | None = None
+        last: float = 0.0
+
+        def handle(self, message: Message) -> Outcome:
+            if self.first is None:
+                self.first = time.perf_counter()
+            outcome = super().handle(message)
+            self.last = time.perf_counter()
+            return outcome
+
+    class UnprotectedRunner(TimedRunner):
+        def process(self, message: Message) -> Outcome:
+            with transaction.atomic():
+                self.handler(message)
+            return Outcome.APPLIED
+
+    def one_round(row: str) -> float:
+        topic = f"bench-{uuid.uuid4().hex[:8]}"
+        for _ in range(messages):
+            producer.produce(topic, value=b"{}", headers={"event_id": str(uuid.uuid4())})
+            producer.poll(0)
+        producer.flush(60)
+        settings = ConsumerSettings(
+            name="bench.kafka",
+            handler="unused",
+            topics=(topic,),
+            group=f"bench-{uuid.uuid4().hex[:8]}",
+            config={"bootstrap.servers": bootstrap},
+            poll_timeout=0.1,
+        )
+        cls = UnprotectedRunner if row == "handler alone" else TimedRunner
+        runner = cls(settings, handler=handler)
+        runner.run(max_messages=messages)
+        assert runner.first is not None and runner.counts[Outcome.APPLIED] == messages
+        return round(messages / (runner.last - runner.first), 1)
+
+    one_round("with the reservation")  # warm-up: connections, imports, plan caches
+    per_round: dict[str, list[float]] = {row: [] for row in ROWS}
+    for round_no in range(rounds):
+        order = ROWS if round_no % 2 == 0 else ROWS[::-1]
+        for row in order:
+            per_round[row].append(one_round(row))
+    ratios = [
+        with_reservation / alone
+        for with_reservation, alone in zip(
+            per_round["with the reservation"], per_round["handler alone"], strict=True
+        )
+    ]
+    return {
+        "messages_per_round": messages,
+        "rounds": rounds,
+        "rows": [
+            {
+                "row": row,
+                "messages_per_s": statistics.median(per_round[row]),
+                "rounds": per_round[row],
+            }
+            for row in ROWS
+        ],
+        "ratio_with_reservation_to_alone": round(statistics.median(ratios), 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--messages", type=int, default=2000, help="messages per row per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(json.dumps(run(args.messages, args.rounds)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,606 @@
+"""Kafka, on confluent-kafka: an idempotent consumer runner and an outbox transport.
+
+Install the extra: ``pip install 'django-idempotency[kafka]'``. See ``docs/kafka.md``.
+
+:class:`ConsumerRunner` is the consumer loop Django teams write by hand, as a thin adapter over
+:func:`django_idempotency.events.process_event`. For each message it
+
+1. finds the event id (a header by default, or a field of the JSON value);
+2. runs the handler in ``transaction.atomic`` together with the processed-event reservation,
+   after counting the delivery (the core does both, and skips a duplicate);
+3. commits the message's offset synchronously, only once that transaction has committed (at
+   once by default; every ``COMMIT_INTERVAL`` seconds if set, and always before its partitions
+   are revoked and before it stops).
+
+A crash between 2 and 3 redelivers the message, and its reservation skips it. A handler that
+raises rolls back, and the message is delivered again after ``RETRY_DELAY``; once the event has
+been delivered more than ``MAX_DELIVERIES`` times the core parks it, and the runner produces the
+message to the dead-letter topic, with its headers, the error and the delivery count, then moves
+the offset on. A message without a usable event id goes to the dead-letter topic at once.
+
+:class:`KafkaTransport` sends outbox messages with an idempotent producer (``acks=all``), keyed
+by the ordering key (a key-hash partitioner), with the event id in an ``event_id`` header.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from django.core.exceptions import ImproperlyConfigured
+from django.db import DatabaseError, close_old_connections
+from django.utils.module_loading import import_string
+
+from django_idempotency.conf import conf
+from django_idempotency.events import EVENT_ID_KEY, normalize_event_id, process_event
+from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.kafka_settings import ConsumerSettings, consumer_settings
+from django_idempotency.models import EventDelivery
+
+__all__ = [
+    "DEAD_LETTER_HEADERS",
+    "ConsumerRunner",
+    "DeadLetterFailed",
+    "KafkaTransport",
+    "Outcome",
+    "event_id_of",
+    "replay_dead_letters",
+]
+
+if TYPE_CHECKING:
+    from django_idempotency.transports import OutboxMessage
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Message], object]
+
+DEAD_LETTER_HEADERS = (
+    "dlq.error",
+    "dlq.deliveries",
+    "dlq.consumer",
+    "dlq.group",
+    "dlq.topic",
+    "dlq.partition",
+    "dlq.offset",
+)
+"""Headers a dead-lettered message carries besides its own: what failed, how often, and where
+the message came from."""
+
+
+class Outcome(Enum):
+    """What the runner did with one message."""
+
+    APPLIED = "applied"
+    DUPLICATE = "duplicate"
+    DEAD_LETTERED = "dead-lettered"
+    RETRY = "retry"
+    """Nothing was applied and the offset stays: the message is delivered again."""
+
+
+class DeadLetterFailed(Exception):
+    """The dead-letter topic did not acknowledge a message; its offset is not committed."""
+
+
+# --- Event ids ----------------------------------------------------------------------------------
+
+
+def event_id_of(message: Message, settings: ConsumerSettings) -> str:
+    """The message's event id, where ``settings`` say it is; MissingEventId if absent or bad."""
+    where = f"{settings.event_id_source}:{settings.event_id_name}"
+    if settings.event_id_source == "header":
+        raw: Any = None
+        for name, value in _headers(message):
+            if name == settings.event_id_name:
+                raw = value
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MissingEventId(f"The {where} header is not UTF-8: {raw[:40]!r}.") from exc
+    else:
+        try:
+            raw = json.loads(message.value() or b"")
+        except ValueError as exc:
+            raise MissingEventId(f"The value is not JSON, so it has no {where}: {exc}.") from exc
+        for part in settings.event_id_name.split("."):
+            raw = raw.get(part) if isinstance(raw, Mapping) else None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            raw = str(raw)
+    if raw is None:
+        raise MissingEventId(f"The message has no event id ({where}).")
+    try:
+        return normalize_event_id(raw)
+    except (TypeError, ValueError) as exc:
+        raise MissingEventId(f"The event id ({where}) is not valid: {exc}") from exc
+
+
+# --- The consumer runner ------------------------------------------------------------------------
+
+
+class ConsumerRunner:
+    """Consume the topics of one configured consumer, one effect per event.
+
+    ``manage.py idempotency_consume <name>`` builds one from ``IDEMPOTENCY["KAFKA_CONSUMERS"]``
+    and calls :meth:`run`; :meth:`stop` (SIGTERM, SIGINT) ends the loop after the current
+    message, whose offset is committed.
+
+    :param settings: the consumer's settings, or its name in ``KAFKA_CONSUMERS``.
+    :param handler: the handler; default the one ``HANDLER`` names.
+    """
+
+    def __init__(self, settings: ConsumerSettings | str, handler: Handler | None = None) -> None:
+        self.settings = consumer_settings(settings) if isinstance(settings, str) else settings
+        self.handler: Handler = handler or import_string(self.settings.handler)
+        self.counts: Counter[Outcome] = Counter()
+        self._stopping = threading.Event()
+        self._consumer: Consumer | None = None
+        self._producer: Producer | None = None
+        self._done: dict[tuple[str, int], int] = {}
+        """Offsets to commit: processed, not committed yet, by (topic, partition)."""
+        self._committed_at = time.monotonic()
+
+    # The loop
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to return after the message in hand; safe from a signal handler."""
+        self._stopping.set()
+
+    def run(self, max_messages: int | None = None) -> None:
+        """Poll and process until :meth:`stop` (or ``max_messages`` messages, for benches)."""
+        settings = self.settings
+        config = {
+            "auto.offset.reset": "earliest",
+            # Incremental rebalances: partitions that stay keep being consumed, and a revoked
+            # partition's offsets are committed before it moves (an eager rebalance can refuse
+            # that commit with REBALANCE_IN_PROGRESS, as librdkafka's mock cluster does).
+            "partition.assignment.strategy": "cooperative-sticky",
+            **settings.config,
+            "group.id": settings.group,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+        }
+        consumer = self._consumer = Consumer(config)
+        consumer.subscribe(
+            list(settings.topics),
+            on_assign=self._on_assign,
+            on_revoke=self._on_revoke,
+            on_lost=self._on_lost,
+        )
+        logger.info(
+            "Kafka consumer %s started: topics %s, group %s",
+            settings.name,
+            ", ".join(settings.topics),
+            settings.group,
+        )
+        seen = 0
+        try:
+            while not self._stopping.is_set():
+                message = consumer.poll(settings.poll_timeout)
+                if message is None:
+                    self._commit_if_due()
+                    close_old_connections()  # when idle, as CONN_MAX_AGE says
+                    continue
+                error = message.error()
+                if error is not None:
+                    self._on_error(error)
+                    continue
+                self.handle(message)
+                seen += 1
+                if max_messages is not None and seen >= max_messages:
+                    break
+        finally:
+            self._commit()
+            consumer.close()  # leaves the group: its partitions move on at once
+            self._consumer = None
+            if self._producer is not None:
+                self._producer.flush(30)
+            logger.info(
+                "Kafka consumer %s stopped: %s",
+                settings.name,
+                ", ".join(f"{n} {o.value}" for o, n in self.counts.items()) or "no messages",
+            )
+
+    def handle(self, message: Message) -> Outcome:
+        """Process one message, then commit its offset or set it up for redelivery."""
+        outcome = self.process(message)
+        self.counts[outcome] += 1
+        topic, partition, offset = _position(message)
+        if outcome is Outcome.RETRY:
+            assert self._consumer is not None
+            self._consumer.seek(TopicPartition(topic, partition, offset))
+            self._stopping.wait(self.settings.retry_delay)
+        else:
+            self._done[topic, partition] = offset + 1
+            self._commit_if_due()
+        return outcome
+
+    def process(self, message: Message) -> Outcome:
+        """Run the handler once per event id, or dead-letter the message; never commits."""
+        settings = self.settings
+        try:
+            event_id = event_id_of(message, settings)
+        except MissingEventId as exc:
+            logger.error(
+                "message without a usable event id, sent to the dead-letter topic: consumer "
+                "%s, %s: %s",
+                settings.name,
+                _describe(message),
+                exc,
+            )
+            return self._dead_letter(message, f"{type(exc).__name__}: {exc}", deliveries=1)
+        try:
+            processed = process_event(
+                settings.name,
+                event_id,
+                lambda: self.handler(message),
+                topic=message.topic(),
+                max_deliveries=settings.max_deliveries,
+            )
+        except EventParked:
+            try:
+                deliveries, error = self._delivery_record(event_id)
+            except DatabaseError:
+                return self._retry_later(message, event_id)
+            return self._dead_letter(message, error, deliveries)
+        except Exception:  # noqa: BLE001 - logged with its traceback, recorded, redelivered
+            return self._retry_later(message, event_id)
+        return Outcome.APPLIED if processed.applied else Outcome.DUPLICATE
+
+    def _retry_later(self, message: Message, event_id: str) -> Outcome:
+        logger.warning(
+            "delivery failed, the message comes back in %ss (if it did commit, it is then "
+            "skipped as a duplicate): event %s, consumer %s, %s",
+            self.settings.retry_delay,
+            event_id,
+            self.settings.name,
+            _describe(message),
+            exc_info=True,
+        )
+        close_old_connections()  # a broken connection is replaced before the next try
+        return Outcome.RETRY
+
+    # Offsets and rebalances
+
+    def _commit_if_due(self) -> None:
+        if time.monotonic() - self._committed_at >= self.settings.commit_interval:
+            self._commit()
+
+    def _commit(self, partitions: Sequence[TopicPartition] | None = None) -> None:
+        """Commit the processed offsets (of ``partitions`` only, if given), synchronously."""
+        if partitions is None:
+            self._committed_at = time.monotonic()
+        wanted = None if partitions is None else {(p.topic, p.partition) for p in partitions}
+        keys = [key for key in self._done if wanted is None or key in wanted]
+        if not keys or self._consumer is None:
+            return
+        offsets = [TopicPartition(t, p, self._done.pop((t, p))) for t, p in keys]
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=False)
+        except KafkaException as exc:
+            # The group moved on (a rebalance, a lost session): the next owner of the partition
+            # delivers these messages again and their reservations skip them.
+            logger.warning(
+                "offset commit failed, the messages will be redelivered and skipped as "
+                "duplicates: consumer %s, %s: %s",
+                self.settings.name,
+                ", ".join(f"{p.topic}[{p.partition}]@{p.offset}" for p in offsets),
+                exc,
+            )
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        logger.info("consumer %s assigned %s", self.settings.name, _partitions(partitions))
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._commit(partitions)
+        logger.info("consumer %s revoked %s", self.settings.name, _partitions(partitions))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for partition in partitions:
+            self._done.pop((partition.topic, partition.partition), None)
+        logger.warning(
+            "consumer %s lost %s without a chance to commit; their last messages will be "
+            "redelivered and skipped as duplicates",
+            self.settings.name,
+            _partitions(partitions),
+        )
+
+    def _on_error(self, error: KafkaError) -> None:
+        if error.code() == KafkaError._PARTITION_EOF:
+            return
+        if error.fatal():
+            raise KafkaException(error)
+        logger.warning("Kafka consumer %s: %s", self.settings.name, error)
+
+    # The dead-letter topic
+
+    def _delivery_record(self, event_id: str) -> tuple[int, str]:
+        row = (
+            EventDelivery.objects.using(conf.DATABASE)
+            .filter(consumer=self.settings.name, event_id=event_id)
+            .values_list("deliveries", "last_error")
+            .first()
+        )
+        deliveries, error = row if row is not None else (0, "")
+        return deliveries, error or "EventParked: delivered too many times"
+
+    def _dead_letter(self, message: Message, error: str, deliveries: int) -> Outcome:
+        """Produce ``message`` to its dead-letter topic and wait for the acknowledgement."""
+        settings = self.settings
+        topic, partition, offset = _position(message)
+        target = settings.dead_letter_topic_for(topic)
+        headers = _headers(message)
+        extra = (error[:4000], deliveries, settings.name, settings.group, topic, partition, offset)
+        headers.extend((n, str(v)) for n, v in zip(DEAD_LETTER_HEADERS, extra, strict=True))
+        try:
+            _produce_durably(
+                self._dead_letter_producer(),
+                target,
+                key=message.key(),
+                value=message.value(),
+                headers=headers,
+            )
+        except (DeadLetterFailed, KafkaException, BufferError) as exc:
+            logger.error(
+                "could not dead-letter %s to %s, the message stays and comes back: %s",
+                _describe(message),
+                target,
+                exc,
+            )
+            return Outcome.RETRY
+        logger.error(
+            "MESSAGE DEAD-LETTERED to %s: consumer %s, %s, %d deliveries: %s",
+            target,
+            settings.name,
+            _describe(message),
+            deliveries,
+            error,
+        )
+        return Outcome.DEAD_LETTERED
+
+    def _dead_letter_producer(self) -> Producer:
+        if self._producer is None:
+            self._producer = Producer(
+                {**self.settings.producer_config, "enable.idempotence": True, "acks": "all"}
+            )
+        return self._producer
+
+
+# --- Replaying the dead-letter topic ------------------------------------------------------------
+
+
+def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> Counter[str]:
+    """Put this consumer's dead-lettered messages back on their topics, once the cause is fixed.
+
+    Reads the consumer's dead-letter topics in the group ``<GROUP>.replay`` (so each message is
+    replayed once however often this runs), and for each message the consumer dead-lettered:
+
+    1. un-parks its event (deletes its parked delivery counter), so it gets ``MAX_DELIVERIES``
+       fresh deliveries;
+    2. produces it, with its own key, value and headers (the ``dlq.*`` ones removed), back to the
+       topic it came from, and waits for the acknowledgement;
+    3. commits the dead-letter offset.
+
+    Replayed messages are deduplicated like any other delivery: an event that was applied in the
+    meantime is skipped. A message without an event id is not replayed (it would only come back):
+    fix its producer and publish it again. Returns counts: ``replayed``, ``skipped`` (other
+    consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message.
+
+    :raises DeadLetterFailed: a message could not be put back; it stays on the dead-letter topic
+        (its offset there is not committed) and the next run tries it again.
+    """
+    settings = consumer_settings(settings) if isinstance(settings, str) else settings
+    dead_letter_topics = sorted({settings.dead_letter_topic_for(t) for t in settings.topics})
+    consumer = Consumer(
+        {
+            "auto.offset.reset": "earliest",
+            **settings.config,
+            "group.id": f"{settings.group}.replay",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+        }
+    )
+    producer = Producer({**settings.producer_config, "enable.idempotence": True, "acks": "all"})
+    counts: Counter[str] = Counter()
+    consumer.subscribe(dead_letter_topics)
+    try:
+        while True:
+            message = consumer.poll(idle)
+            if message is None:
+                break
+            if message.error() is not None:
+                continue
+            headers = _headers(message)
+            origin = {name: value for name, value in headers if name.startswith("dlq.")}
+            if _text(origin.get("dlq.consumer")) != settings.name or not origin.get("dlq.topic"):
+                counts["skipped"] += 1
+            else:
+                try:
+                    event_id = event_id_of(message, settings)
+                except MissingEventId as exc:
+                    logger.error("not replayed, %s: %s", _describe(message), exc)
+                    counts["no event id"] += 1
+                else:
+                    EventDelivery.objects.using(conf.DATABASE).filter(
+                        consumer=settings.name, event_id=event_id, parked_at__isnull=False
+                    ).delete()
+                    _produce_durably(
+                        producer,
+                        _text(origin.get("dlq.topic")),
+                        key=message.key(),
+                        value=message.value(),
+                        headers=[(n, v) for n, v in headers if not n.startswith("dlq.")],
+                    )
+                    counts["replayed"] += 1
+            consumer.commit(message=message, asynchronous=False)
+    finally:
+        consumer.close()
+        producer.flush(30)
+    return counts
+
+
+def _text(value: str | bytes | None) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value or ""
+
+
+def _produce_durably(
+    producer: Producer,
+    topic: str,
+    *,
+    key: bytes | None,
+    value: bytes | None,
+    headers: list[tuple[str, str | bytes | None]],
+    timeout: float = 30.0,
+) -> None:
+    reports: list[KafkaError | None] = []
+    producer.produce(
+        topic,
+        value=value,
+        key=key,
+        headers=headers,
+        on_delivery=lambda err, msg: reports.append(err),
+    )
+    producer.flush(timeout)
+    if not reports:
+        raise DeadLetterFailed(f"no acknowledgement from {topic} within {timeout}s")
+    if reports[0] is not None:
+        raise DeadLetterFailed(f"{topic} refused the message: {reports[0]}")
+
+
+def _headers(message: Message) -> list[tuple[str, str | bytes | None]]:
+    headers = message.headers() or []
+    return list(headers.items() if isinstance(headers, dict) else headers)
+
+
+def _position(message: Message) -> tuple[str, int, int]:
+    topic, partition, offset = message.topic(), message.partition(), message.offset()
+    assert topic is not None and partition is not None and offset is not None
+    return topic, partition, offset
+
+
+def _describe(message: Message) -> str:
+    return f"{message.topic()}[{message.partition()}]@{message.offset()}"
+
+
+def _partitions(partitions: Sequence[TopicPartition]) -> str:
+    return ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing"
+
+
+# --- The outbox transport -----------------------------------------------------------------------
+
+
+class KafkaTransport:
+    """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
+
+    Each message goes to the topic named by its destination, its payload as compact JSON, its
+    ordering key as the Kafka key, its headers plus ``event_id``. The producer is idempotent
+    with ``acks=all`` (a message counts as sent once every in-sync replica has it) and
+    partitions by a hash of the key (``murmur2_random``, the Java client's partitioner), so one
+    key's messages share a partition and keep their order.
+
+    Within one :meth:`send`, the messages of one ordering key go out one at a time, each after
+    the previous one was acknowledged: after a failure the later ones of that key are not sent
+    and are reported failed. Messages of different keys, and messages without one, go out
+    together.
+
+    :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
+        idempotence and ``acks`` cannot be weakened.
+    :param timeout: seconds to wait for the acknowledgements of one batch; librdkafka gives up on
+        a message after this long too (``message.timeout.ms``), so none is sent later.
+    """
+
+    def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
+        if not config.get("bootstrap.servers"):
+            raise ImproperlyConfigured("KafkaTransport needs config={'bootstrap.servers': ...}.")
+        if str(config.get("enable.idempotence", True)).lower() in ("false", "0"):
+            raise ImproperlyConfigured("KafkaTransport always uses enable.idempotence=true.")
+        if str(config.get("acks", "all")) not in ("all", "-1"):
+            raise ImproperlyConfigured("KafkaTransport always uses acks=all.")
+        self.timeout = float(timeout)
+        self.config = {
+            "partitioner": "murmur2_random",
+            "message.timeout.ms": int(self.timeout * 1000),
+            **config,
+            "enable.idempotence": True,
+            "acks": "all",
+        }
+        self._producer: Producer | None = None
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(messages)
+        failed: dict[str, BaseException] = {}
+        for batch in _rounds(messages):
+            reports: dict[int, KafkaError | None] = {}
+            sent: list[int] = []
+            producer = self._open()
+            for index in batch:
+                message = messages[index]
+                key = message.ordering_key
+                if key is not None and key in failed:
+                    results[index] = failed[key]
+                    continue
+                try:
+                    producer.produce(
+                        message.destination,
+                        value=json.dumps(message.payload, separators=(",", ":")).encode(),
+                        key=key,
+                        headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                        on_delivery=functools.partial(_report, reports, index),
+                    )
+                except (KafkaException, BufferError, TypeError, ValueError) as exc:
+                    results[index] = exc
+                else:
+                    sent.append(index)
+            producer.flush(self.timeout + 5)
+            for index in sent:
+                if index not in reports:
+                    results[index] = TimeoutError(
+                        f"no acknowledgement from Kafka within {self.timeout}s"
+                    )
+                elif reports[index] is not None:
+                    error = reports[index]
+                    results[index] = KafkaException(error)
+                    if error is not None and error.fatal():
+                        self.close()  # a fatal idempotence error: the next send starts afresh
+            for index in batch:
+                key = messages[index].ordering_key
+                if results[index] is not None and key is not None:
+                    failed.setdefault(key, results[index])  # type: ignore[arg-type]
+        return results
+
+    def _open(self) -> Producer:
+        if self._producer is None:
+            self._producer = Producer(dict(self.config))
+        return self._producer
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.flush(self.timeout)
+
+
+def _report(
+    reports: dict[int, KafkaError | None], index: int, error: KafkaError | None, message: Message
+) -> None:
+    reports[index] = error
+
+
+def _rounds(messages: Sequence[OutboxMessage]) -> list[list[int]]:
+    """Indexes in sending rounds: round ``n`` holds the ``n``-th message of each key."""
+    rounds: defaultdict[int, list[int]] = defaultdict(list)
+    seen: Counter[str] = Counter()
+    for index, message in enumerate(messages):
+        key = message.ordering_key
+        if key is None:
+            rounds[0].append(index)
+        else:
+            rounds[seen[key]].append(index)
+            seen[key] += 1
+    return [rounds[n] for n in sorted(rounds)]

@@ -1,0 +1,247 @@
+"""The ``IDEMPOTENCY["KAFKA_CONSUMERS"]`` setting: parsed and validated, without confluent-kafka.
+
+Each entry names one consumer of :mod:`django_idempotency.kafka`, run by
+``manage.py idempotency_consume <name>``::
+
+    IDEMPOTENCY = {
+        "KAFKA_CONSUMERS": {
+            "billing.ledger": {
+                "HANDLER": "shop.handlers.apply_order_confirmed",
+                "TOPICS": ["orders"],
+                "GROUP": "billing",
+                "CONFIG": {"bootstrap.servers": "kafka-1:9092,kafka-2:9092"},
+                "EVENT_ID": "header:event_id",
+            },
+        },
+    }
+
+The name (``"billing.ledger"``) is the consumer's stable name in the processed-event table:
+renaming it makes every event new again. This module has no import of confluent-kafka, so the
+system checks can validate the setting, and say to install the extra, on any installation.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.core.checks import CheckMessage, Error
+from django.core.exceptions import ImproperlyConfigured
+from django.utils.module_loading import import_string
+
+__all__ = ["ConsumerSettings", "check_consumers", "consumer_settings", "parse_consumers"]
+
+SETTING = "KAFKA_CONSUMERS"
+REQUIRED = ("HANDLER", "TOPICS", "GROUP", "CONFIG")
+OPTIONAL = (
+    "EVENT_ID",
+    "DEAD_LETTER_TOPIC",
+    "MAX_DELIVERIES",
+    "RETRY_DELAY",
+    "POLL_TIMEOUT",
+    "COMMIT_INTERVAL",
+)
+EVENT_ID_SOURCES = ("header", "json")
+RUNNER_OWNED = {
+    "group.id": "set GROUP instead",
+    "enable.auto.commit": "the runner commits each offset itself, after the transaction",
+    "enable.auto.offset.store": "the runner stores offsets itself",
+}
+TOPIC_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,249}")
+CONNECTION_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "socket.", "broker.", "test.")
+"""Keys of ``CONFIG`` the dead-letter producer shares with the consumer (where and how to
+connect). Everything else in ``CONFIG`` is consumer-only."""
+
+
+@dataclass(frozen=True)
+class ConsumerSettings:
+    """One validated entry of ``KAFKA_CONSUMERS``."""
+
+    name: str
+    """The consumer's stable name: the ``consumer`` of its processed-event rows."""
+    handler: str
+    """Dotted path to ``handler(message) -> None``."""
+    topics: tuple[str, ...]
+    group: str
+    config: dict[str, Any]
+    """librdkafka consumer properties (``bootstrap.servers`` and the like)."""
+    event_id_source: str = "header"
+    """``"header"`` or ``"json"``: where a message carries its event id."""
+    event_id_name: str = "event_id"
+    """The header's name, or the dotted path of the field in the JSON value."""
+    dead_letter_topic: str = "{topic}.dlq"
+    """Where poison messages go; ``{topic}`` is the topic the message came from."""
+    max_deliveries: int | None = None
+    """Deliveries of one event before it is dead-lettered; default ``MAX_DELIVERIES``."""
+    retry_delay: float = 1.0
+    """Seconds before a message whose handler failed is delivered again."""
+    poll_timeout: float = 1.0
+    """Seconds one poll waits: also how soon a stop request is noticed when idle."""
+    commit_interval: float = 0.0
+    """Seconds between offset commits; 0 commits after every message."""
+    producer_config: dict[str, Any] = field(default_factory=dict)
+    """The dead-letter producer's connection properties, taken from ``config``."""
+
+    def dead_letter_topic_for(self, topic: str) -> str:
+        return self.dead_letter_topic.format(topic=topic)
+
+
+def _error(path: str, message: str) -> ImproperlyConfigured:
+    return ImproperlyConfigured(f"IDEMPOTENCY[{SETTING!r}]{path} {message}")
+
+
+def _non_empty_string(path: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise _error(path, f"must be a non-empty string, not {value!r}.")
+    return value
+
+
+def _topics(path: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
+        raise _error(path, f"must be a non-empty list of topic names, not {value!r}.")
+    for topic in value:
+        if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic):
+            raise _error(path, f"holds {topic!r}, which is not a Kafka topic name.")
+    return tuple(value)
+
+
+def _config(path: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _error(path, f"must be a dict of librdkafka properties, not {value!r}.")
+    for key, item in value.items():
+        if not isinstance(key, str) or not isinstance(item, (str, int, float, bool)):
+            raise _error(path, f"holds {key!r}: {item!r}; use string keys and scalar values.")
+        if key in RUNNER_OWNED:
+            raise _error(path, f"sets {key!r}: remove it, {RUNNER_OWNED[key]}.")
+    if not value.get("bootstrap.servers"):
+        raise _error(path, "has no 'bootstrap.servers': name the brokers to connect to.")
+    return dict(value)
+
+
+def _event_id(path: str, value: Any) -> tuple[str, str]:
+    source, _, name = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if source not in EVENT_ID_SOURCES or not name:
+        raise _error(
+            path,
+            f"must be 'header:<header name>' or 'json:<field>' (a dotted path into the JSON "
+            f"value), not {value!r}.",
+        )
+    return source, name
+
+
+def _seconds(path: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise _error(path, f"must be zero or a positive number of seconds, not {value!r}.")
+    return float(value)
+
+
+def _parse_one(name: Any, entry: Any) -> ConsumerSettings:
+    where = f"[{name!r}]"
+    if not isinstance(name, str) or not name.strip() or len(name) > 255:
+        raise _error(where, "is not a consumer name: use a string of 1 to 255 characters.")
+    if not isinstance(entry, Mapping):
+        raise _error(where, f"must be a dict with {', '.join(REQUIRED)}, not {entry!r}.")
+    unknown = set(entry) - set(REQUIRED) - set(OPTIONAL)
+    if unknown:
+        raise _error(
+            where,
+            f"has unknown key(s) {', '.join(sorted(map(str, unknown)))}; "
+            f"known: {', '.join(REQUIRED + OPTIONAL)}.",
+        )
+    missing = [key for key in REQUIRED if key not in entry]
+    if missing:
+        raise _error(where, f"lacks {', '.join(missing)}.")
+    config = _config(f"{where}['CONFIG']", entry["CONFIG"])
+    source, id_name = _event_id(f"{where}['EVENT_ID']", entry.get("EVENT_ID", "header:event_id"))
+    dead_letter = _non_empty_string(
+        f"{where}['DEAD_LETTER_TOPIC']", entry.get("DEAD_LETTER_TOPIC", "{topic}.dlq")
+    )
+    try:
+        dead_letter.format(topic="t")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise _error(
+            f"{where}['DEAD_LETTER_TOPIC']", f"may only use the {{topic}} placeholder: {exc!r}."
+        ) from exc
+    max_deliveries = entry.get("MAX_DELIVERIES")
+    if max_deliveries is not None and (
+        isinstance(max_deliveries, bool)
+        or not isinstance(max_deliveries, int)
+        or max_deliveries < 1
+    ):
+        raise _error(
+            f"{where}['MAX_DELIVERIES']", f"must be a positive integer, not {max_deliveries!r}."
+        )
+    poll_timeout = _seconds(f"{where}['POLL_TIMEOUT']", entry.get("POLL_TIMEOUT", 1.0))
+    if poll_timeout == 0:
+        raise _error(f"{where}['POLL_TIMEOUT']", "must be longer than zero.")
+    return ConsumerSettings(
+        name=name,
+        handler=_non_empty_string(f"{where}['HANDLER']", entry["HANDLER"]),
+        topics=_topics(f"{where}['TOPICS']", entry["TOPICS"]),
+        group=_non_empty_string(f"{where}['GROUP']", entry["GROUP"]),
+        config=config,
+        event_id_source=source,
+        event_id_name=id_name,
+        dead_letter_topic=dead_letter,
+        max_deliveries=max_deliveries,
+        retry_delay=_seconds(f"{where}['RETRY_DELAY']", entry.get("RETRY_DELAY", 1.0)),
+        poll_timeout=poll_timeout,
+        commit_interval=_seconds(f"{where}['COMMIT_INTERVAL']", entry.get("COMMIT_INTERVAL", 0.0)),
+        producer_config={k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)},
+    )
+
+
+def parse_consumers(name: str, value: Any) -> dict[str, ConsumerSettings]:
+    """Parse the whole setting (``name`` is ``"KAFKA_CONSUMERS"``); ImproperlyConfigured if bad."""
+    if not isinstance(value, Mapping):
+        raise _error("", f"must be a dict of consumer names to consumers, not {value!r}.")
+    return {consumer: _parse_one(consumer, entry) for consumer, entry in value.items()}
+
+
+def consumer_settings(name: str) -> ConsumerSettings:
+    """The settings of the consumer ``name``; ImproperlyConfigured if there is none."""
+    from django_idempotency.conf import conf
+
+    consumers = conf.KAFKA_CONSUMERS
+    if name not in consumers:
+        known = ", ".join(map(repr, consumers)) or "none"
+        raise ImproperlyConfigured(
+            f"No Kafka consumer named {name!r}: IDEMPOTENCY[{SETTING!r}] has {known}."
+        )
+    return consumers[name]
+
+
+def check_consumers(consumers: Mapping[str, ConsumerSettings]) -> list[CheckMessage]:
+    """What the system checks add once the setting parses: the extra and the handlers."""
+    if not consumers:
+        return []
+    messages: list[CheckMessage] = []
+    try:
+        import confluent_kafka  # noqa: F401
+    except ImportError:
+        messages.append(
+            Error(
+                f"IDEMPOTENCY[{SETTING!r}] is set, but confluent-kafka is not installed.",
+                hint="pip install 'django-idempotency[kafka]'.",
+                id="django_idempotency.E040",
+            )
+        )
+    for settings in consumers.values():
+        try:
+            handler = import_string(settings.handler)
+        except ImportError as exc:
+            problem = f"cannot be imported: {exc}"
+        else:
+            problem = "" if callable(handler) else "is not callable"
+        if problem:
+            messages.append(
+                Error(
+                    f"IDEMPOTENCY[{SETTING!r}][{settings.name!r}]['HANDLER'] = "
+                    f"{settings.handler!r} {problem}.",
+                    hint="Point it at a function that takes one confluent_kafka.Message.",
+                    id="django_idempotency.E041",
+                )
+            )
+    return messages

@@ -1,0 +1,67 @@
+"""``manage.py idempotency_consume <consumer>``: run one Kafka consumer of ``KAFKA_CONSUMERS``."""
+
+from __future__ import annotations
+
+import signal
+from argparse import ArgumentParser
+from types import FrameType
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError
+
+from django_idempotency.kafka_settings import consumer_settings
+
+
+class Command(BaseCommand):
+    help = (
+        'Consume Kafka with a consumer of IDEMPOTENCY["KAFKA_CONSUMERS"]: each event is applied '
+        "once, in one transaction with its processed-event row, and its offset is committed "
+        "after that transaction. SIGTERM or SIGINT stops after the current message."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument("consumer", help='A name in IDEMPOTENCY["KAFKA_CONSUMERS"].')
+        parser.add_argument(
+            "--replay-dead-letters",
+            action="store_true",
+            help="Instead of consuming: put the consumer's dead-lettered messages back on their "
+            "topics (un-parking their events), then exit.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        try:
+            settings = consumer_settings(options["consumer"])
+            from django_idempotency.kafka import (
+                ConsumerRunner,
+                DeadLetterFailed,
+                replay_dead_letters,
+            )
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc)) from exc
+        except ImportError as exc:
+            raise CommandError(
+                f"{exc}. Install the extra: pip install 'django-idempotency[kafka]'."
+            ) from exc
+        if options["replay_dead_letters"]:
+            try:
+                replayed = replay_dead_letters(settings)
+            except DeadLetterFailed as exc:
+                raise CommandError(f"{exc}; run it again once the topic takes writes.") from exc
+            self.stdout.write(
+                ", ".join(f"{n} {what}" for what, n in sorted(replayed.items()))
+                or "nothing to replay"
+            )
+            return
+        runner = ConsumerRunner(settings)
+
+        def stop(signum: int, frame: FrameType | None) -> None:
+            self.stderr.write(f"{signal.Signals(signum).name}: stopping after this message")
+            runner.stop()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        self.stdout.write(f"consuming as {settings.name} (group {settings.group})")
+        runner.run()
+        counts = ", ".join(f"{n} {o.value}" for o, n in runner.counts.items()) or "no messages"
+        self.stdout.write(f"stopped: {counts}")

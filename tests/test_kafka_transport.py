@@ -1,0 +1,123 @@
+"""KafkaTransport, the outbox relay's Kafka transport, against a real client and cluster.
+
+The cluster is librdkafka's mock cluster, or ``KAFKA_BOOTSTRAP_SERVERS``
+(tests/kafka_cluster.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+pytest.importorskip("confluent_kafka")
+from confluent_kafka import KafkaException
+
+from django_idempotency.kafka import KafkaTransport
+from django_idempotency.transports import OutboxMessage, Transport
+from tests.kafka_cluster import Cluster
+
+_ids = itertools.count(1)
+
+
+def outgoing(
+    destination: str,
+    payload: Any,
+    ordering_key: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> OutboxMessage:
+    return OutboxMessage(
+        id=next(_ids),
+        event_id=str(uuid.uuid4()),
+        destination=destination,
+        payload=payload,
+        headers=headers or {},
+        ordering_key=ordering_key,
+        created_at=timezone.now(),
+        attempts=1,
+    )
+
+
+@pytest.fixture
+def transport(kafka_cluster: Cluster) -> Iterator[KafkaTransport]:
+    config = {"bootstrap.servers": kafka_cluster.bootstrap, "message.max.bytes": 20000}
+    kafka = KafkaTransport(config)
+    yield kafka
+    kafka.close()
+
+
+@pytest.mark.slow
+def test_messages_arrive_with_their_event_id_and_keys_keep_their_order(
+    kafka_cluster: Cluster, transport: KafkaTransport
+) -> None:
+    topic = kafka_cluster.new_topic("transport")
+    messages = [
+        outgoing(topic, {"n": n}, ordering_key=f"order-{n % 3}" if n % 4 else None)
+        for n in range(40)
+    ]
+    messages[1] = outgoing(topic, {"n": 1}, "order-1", headers={"traceparent": "00-abc"})
+    assert isinstance(transport, Transport)
+
+    assert transport.send(messages) == [None] * 40
+
+    received = kafka_cluster.read(topic, 40)
+    assert len(received) == 40
+    by_event = {dict(m.headers() or [])["event_id"].decode(): m for m in received}
+    assert set(by_event) == {m.event_id for m in messages}
+    assert dict(by_event[messages[1].event_id].headers() or [])["traceparent"] == b"00-abc"
+    partitions: defaultdict[bytes, set[int | None]] = defaultdict(set)
+    offsets: defaultdict[bytes, list[tuple[int | None, int]]] = defaultdict(list)
+    for sent in messages:
+        got = by_event[sent.event_id]
+        assert json.loads(got.value() or b"") == sent.payload
+        if sent.ordering_key is not None:
+            assert got.key() == sent.ordering_key.encode()
+            partitions[got.key() or b""].add(got.partition())
+            offsets[got.key() or b""].append((got.offset(), sent.payload["n"]))
+    assert all(len(found) == 1 for found in partitions.values())  # one partition per key
+    for pairs in offsets.values():
+        assert sorted(pairs) == sorted(pairs, key=lambda pair: pair[1])  # in the outbox order
+
+
+@pytest.mark.slow
+def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
+    kafka_cluster: Cluster, transport: KafkaTransport
+) -> None:
+    topic = kafka_cluster.new_topic("transport-fail")
+    too_big = {"blob": "x" * 50_000}  # over message.max.bytes: refused by the client
+    messages = [
+        outgoing(topic, {"n": 0}, "a"),
+        outgoing(topic, too_big, "a"),
+        outgoing(topic, {"n": 2}, "a"),
+        outgoing(topic, {"n": 3}, "b"),
+        outgoing(topic, {"n": 4}),
+    ]
+
+    results = transport.send(messages)
+
+    assert results[0] is None and results[3] is None and results[4] is None
+    assert isinstance(results[1], KafkaException)
+    assert results[2] is results[1]  # not sent: reported with the failure that held it back
+    assert kafka_cluster.count(topic) == 3
+    received = kafka_cluster.read(topic, 3)
+    assert sorted(json.loads(m.value() or b"")["n"] for m in received) == [0, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("config", "text"),
+    [
+        ({}, "bootstrap.servers"),
+        ({"bootstrap.servers": "b:9092", "enable.idempotence": False}, "idempotence"),
+        ({"bootstrap.servers": "b:9092", "acks": 1}, "acks=all"),
+    ],
+)
+def test_a_weaker_producer_is_refused(config: dict[str, Any], text: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=text):
+        KafkaTransport(config)
