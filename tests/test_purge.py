@@ -350,7 +350,7 @@ def test_the_purge_covers_each_database_it_is_given() -> None:
     assert [(r.database, r.label) for r in results] == [
         (alias, model._meta.label)
         for alias in ("default", "other")
-        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery)
+        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery, OutboxEntry)
     ]
     assert set(ProcessedEvent.objects.using("other").values_list("pk", flat=True)) == {new}
 
@@ -377,6 +377,7 @@ REVIVE: dict[type[Model], dict[str, Any]] = {
     IdempotencyRecord: {"expires_at": timezone.now() + timedelta(days=3650)},
     ProcessedEvent: {"expires_at": timezone.now() + timedelta(days=3650)},
     EventDelivery: {"expires_at": timezone.now() + timedelta(days=3650)},
+    OutboxEntry: {"expires_at": timezone.now() + timedelta(days=3650)},
 }
 
 
