@@ -44,6 +44,7 @@ from django.views.decorators.http import require_POST
 from django_idempotency.managers import PurgeResult
 from django_idempotency.models import (
     EventDelivery,
+    FlowRun,
     IdempotencyRecord,
     OutboxEntry,
     ProcessedEvent,
@@ -737,3 +738,32 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
             % {"count": count},
             messages.SUCCESS,
         )
+
+
+@admin.register(FlowRun)
+class FlowRunAdmin(ReadOnlyLogAdmin):
+    """Phased requests (``@idempotent(phases=True)``): where each one stopped, and why.
+
+    Read-only, and rows cannot be deleted here: a retry or the completer resumes a run from its
+    recovery point, and a deleted run would make the next retry start the flow again from its
+    first phase. Runs go with their record when the purge deletes it.
+    """
+
+    list_display = (
+        "record_id",
+        "flow",
+        "state",
+        "recovery_point",
+        "started",
+        "attempts",
+        "created_at",
+        "updated_at",
+    )
+    list_filter = ("state",)
+    sortable_by = ()
+    ordering = ("-id",)
+    search_fields = ("flow",)
+    search_help_text = _("An exact flow name, module:qualname.")
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False

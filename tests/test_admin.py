@@ -594,3 +594,22 @@ def test_list_pages_on_a_large_table(admin_client: Client) -> None:
     for fig in figures:
         assert fig.status == 200, fig
         assert fig.queries <= 8, fig
+
+
+def test_flow_runs_are_listed_read_only_and_cannot_be_deleted(admin_client: Client) -> None:
+    """A deleted run would make the next retry start its flow again from the first phase."""
+    from django_idempotency.models import FlowRun
+
+    record = make_record("flow-key")
+    run = FlowRun.objects.create(
+        record=record, flow="shop.rides:create_ride", fingerprint="f" * 64, recovery_point="one"
+    )
+    listing = admin_client.get(reverse("admin:django_idempotency_flowrun_changelist"))
+    assert listing.status_code == 200
+    assert "shop.rides:create_ride" in listing.content.decode()
+    detail = admin_client.get(reverse("admin:django_idempotency_flowrun_change", args=[run.pk]))
+    assert detail.status_code == 200
+    assert 'name="flow"' not in detail.content.decode()  # shown, not editable
+    delete = reverse("admin:django_idempotency_flowrun_delete", args=[run.pk])
+    assert admin_client.post(delete, {"post": "yes"}).status_code == 403
+    assert FlowRun.objects.filter(pk=run.pk).exists()
