@@ -22,10 +22,16 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
-from celery.app.task import Task as CeleryTask
-from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Reject
 from django.db import OperationalError
+
+from django_idempotency.extras import missing_extra
+
+try:
+    from celery.app.task import Task as CeleryTask
+    from celery.contrib.django.task import DjangoTask
+    from celery.exceptions import Reject
+except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
+    raise missing_extra("celery", __name__) from error
 
 from django_idempotency.events import (
     EVENT_ID_KEY,

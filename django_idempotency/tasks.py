@@ -16,9 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import shared_task
-
+from django_idempotency.extras import missing_extra
 from django_idempotency.managers import purge_all
+
+try:
+    from celery import shared_task
+except ImportError as error:
+    raise missing_extra("celery", __name__) from error
 
 PURGE_TASK_NAME = "django_idempotency.purge_expired"
 
