@@ -175,6 +175,8 @@ def tests(session: nox.Session, django: str) -> None:
     """The suite on one (Django, Python) combination, on the backends the plan names."""
     python = str(session.python)
     backends, slow = PLAN[(django, python)]
+    if only := os.environ.get("BACKENDS"):
+        backends = tuple(b for b in backends if b in only.split())
     if os.environ.get("QUICK") == "1":
         slow = False
     _install(session, django)
@@ -188,6 +190,7 @@ def tests(session: nox.Session, django: str) -> None:
     if main:
         for stale in ROOT.glob(".coverage*"):
             stale.unlink()
+        session.run("python", "manage.py", "makemigrations", "--check", "--dry-run")
     failed = [
         backend
         for backend in _services_up(session, backends)
