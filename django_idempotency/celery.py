@@ -50,8 +50,11 @@ if TYPE_CHECKING:
     from celery import Task
 
     _TaskBase = Task[..., Any]
+    _DjangoTaskBase = DjangoTask[..., Any]
 else:
+    # Celery's Task classes are not subscriptable at run time in every supported release.
     _TaskBase = object
+    _DjangoTaskBase = DjangoTask
 
 
 class IdempotentConsumerMixin(_TaskBase):
@@ -205,7 +208,7 @@ class IdempotentConsumerMixin(_TaskBase):
         return outcome.result
 
 
-class IdempotentConsumer(IdempotentConsumerMixin, DjangoTask[..., Any]):
+class IdempotentConsumer(IdempotentConsumerMixin, _DjangoTaskBase):
     """The ready-made idempotent consumer Task base: ``@app.task(base=IdempotentConsumer, ...)``.
 
     It derives from Celery's ``DjangoTask``, so producers keep ``delay_on_commit()`` and
