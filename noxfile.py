@@ -8,6 +8,9 @@ prints the summary table. To run one combination by hand::
     nox -s lowest                       # the lowest declared version of every dependency
     nox -s install                      # the built wheel, installed bare and with each extra
 
+The test command runs the main combination first and alone, then the other sessions in
+``JOBS`` parallel lanes (see :func:`lanes`), each with its own test databases.
+
 Each pass writes a JUnit report and one line to ``.reports/passes.jsonl``; ``scripts/summary.py``
 turns them into the table. The interpreters are found the way pyenv does (``pyenv prefix``), so
 3.12 and 3.13 need not be on ``PATH``.
@@ -64,7 +67,8 @@ RUNTIME_EXTRAS = ("celery", "postgres", "mysql", "redis", "kafka", "tasks")
 
 def _find_interpreters() -> None:
     """Put pyenv's 3.11, 3.12 and 3.13 on PATH: its shims answer only for the global version."""
-    pyenv = shutil.which("pyenv")
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    pyenv = shutil.which("pyenv") or shutil.which("pyenv", path=str(root / "bin"))
     if pyenv is None:
         return
     found = []
@@ -290,6 +294,25 @@ def install(session: nox.Session) -> None:
         ok=True,
         seconds=round(time.monotonic() - started, 1),
     )
+
+
+def lanes(sessions: list[str], jobs: int) -> list[list[str]]:
+    """Share ``sessions`` among ``jobs`` parallel lanes, the heaviest first (scripts/test.sh)."""
+
+    def weight(name: str) -> int:
+        match = re.fullmatch(r"tests\((\d\.\d)-py(\d\.\d+)\)", name)
+        if match is None:
+            return 2 if name == "lowest" else 1
+        backends, slow = PLAN[(match.group(1), match.group(2))]
+        return len(backends) * (3 if slow and os.environ.get("QUICK") != "1" else 1)
+
+    shares: list[list[str]] = [[] for _ in range(max(1, jobs))]
+    loads = [0] * len(shares)
+    for name in sorted(sessions, key=weight, reverse=True):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(name)
+        loads[lightest] += weight(name)
+    return [share for share in shares if share]
 
 
 if __name__ == "__main__":

@@ -77,3 +77,16 @@ def test_missing_dependency_names_the_extra(
         f"{module} needs {EXTRAS[extra]}, which is not installed: "
         f"pip install 'django-idempotency[{extra}]'"
     )
+
+
+def test_installation_docs_show_the_real_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    documented = [
+        line.removeprefix("ImportError: ")
+        for line in (ROOT / "docs" / "installation.md").read_text().splitlines()
+        if line.startswith("ImportError: ")
+    ]
+    monkeypatch.setitem(sys.modules, "celery", None)
+    monkeypatch.delitem(sys.modules, "django_idempotency.celery", raising=False)
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module("django_idempotency.celery")
+    assert documented == [str(raised.value)]
