@@ -3,7 +3,7 @@
 #
 #   scripts/test.sh [pytest args]       (make test)
 #
-# The matrix: the full suite (slow tests included) on SQLite, PostgreSQL and MariaDB for the
+# The matrix (nox sessions, noxfile.py): the full suite (slow tests included) on SQLite, PostgreSQL and MariaDB for the
 # main combination, Django 6.1 on Python 3.13, then a pytest -m pooler pass through PgBouncer;
 # the quick suite on SQLite and PostgreSQL for Django 6.1/3.12, 6.0/3.13, 6.0/3.12, 5.2/3.13,
 # 5.2/3.12, and the full one for the oldest, 5.2/3.11; the quick suite with every runtime
@@ -16,6 +16,7 @@
 #   QUICK=1             skip the tests marked slow (races, crashes, real workers, browser).
 #   BACKENDS="sqlite postgres"   only these database passes (default: each combination's own).
 #   SESSIONS="tests(6.1-py3.13) install"   only these nox sessions (default: all).
+#   JOBS=2              lanes for the sessions after the main one (1: one after the other).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REQUIRE_SERVICES="${REQUIRE_SERVICES:-0}"
@@ -62,7 +63,8 @@ python manage.py makemigrations --check --dry-run || fail "makemigrations --chec
 
 if [ -f mkdocs.yml ]; then
   step "docs (mkdocs build --strict)"
-  mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || fail "docs build"
+  # NO_MKDOCS_2_WARNING: Material's banner about its successor is not about this build.
+  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || fail "docs build"
 fi
 
 step "wheel holds the package, its migrations and templates, and no tests"
@@ -79,12 +81,50 @@ if [ "${QUICK:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; t
   scripts/install-chromium.sh || echo "!! chromium could not be installed: see the browser test"
 fi
 
-step "the test matrix (nox; sessions: ${SESSIONS:-all})"
 rm -rf .reports
-sessions=()
-for name in ${SESSIONS:-}; do sessions+=(-s "$name"); done
-nox "${sessions[@]}" -- "$@"
-nox_code=$?
+mkdir -p .reports
+if [ -n "${SESSIONS:-}" ]; then
+  read -ra all_sessions <<< "$SESSIONS"
+else
+  mapfile -t all_sessions < <(nox -l --json | python -c \
+    'import json, sys; print("\n".join(s["session"] for s in json.load(sys.stdin)))')
+fi
+main_session="tests(6.1-py3.13)"
+rest=()
+for name in "${all_sessions[@]}"; do [ "$name" = "$main_session" ] || rest+=("$name"); done
+nox_code=0
+
+if [[ " ${all_sessions[*]} " == *" $main_session "* ]]; then
+  step "the main combination, alone: nox -s $main_session"
+  nox -s "$main_session" -- "$@" || nox_code=1
+fi
+
+# The other sessions in JOBS parallel lanes, each with its own test databases and log.
+JOBS="${JOBS:-2}"
+if [ ${#rest[@]} -gt 0 ]; then
+  mapfile -t lanes < <(python -c '
+import sys
+sys.path.insert(0, ".")
+import noxfile
+for lane in noxfile.lanes(sys.argv[2:], int(sys.argv[1])):
+    print(" ".join(lane))' "$JOBS" "${rest[@]}")
+  step "the other sessions in ${#lanes[@]} lanes (JOBS=$JOBS)"
+  pids=()
+  for i in "${!lanes[@]}"; do
+    read -ra lane <<< "${lanes[$i]}"
+    echo "   lane $((i + 1)): ${lane[*]}  (log: .reports/lane$((i + 1)).log)"
+    args=()
+    for name in "${lane[@]}"; do args+=(-s "$name"); done
+    TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_lane$((i + 1))" \
+      nox "${args[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || nox_code=1
+    step "lane $((i + 1)) output"
+    cat ".reports/lane$((i + 1)).log"
+  done
+fi
 
 echo
 echo "================================ summary ================================"

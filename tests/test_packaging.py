@@ -29,6 +29,19 @@ def requirement_names(text: str) -> set[str]:
     return {re.split(r"[\[<>=;\s]", line.strip())[0] for line in text.splitlines() if line.strip()}
 
 
+def import_without(monkeypatch: pytest.MonkeyPatch, module: str, dependency: str) -> ImportError:
+    """Import ``module`` afresh as if ``dependency`` were not installed; return the error."""
+    # A None entry in sys.modules makes an import raise ImportError, as when it is absent; the
+    # already imported submodules must go too, or ``from celery.app.task import ...`` finds them.
+    for name in [n for n in sys.modules if n == dependency or n.startswith(dependency + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, dependency, None)
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(ImportError) as raised:
+        importlib.import_module(module)
+    return raised.value
+
+
 def test_install_requires_only_django_and_asgiref() -> None:
     assert requirement_names(setup_cfg()["options"]["install_requires"]) == {"Django", "asgiref"}
 
@@ -66,14 +79,8 @@ def test_lowest_job_pins_every_runtime_dependency_to_its_minimum() -> None:
 def test_missing_dependency_names_the_extra(
     monkeypatch: pytest.MonkeyPatch, module: str, dependency: str, extra: str
 ) -> None:
-    # A None entry in sys.modules makes ``import celery`` raise ImportError, as when it is absent.
-    for name in [n for n in sys.modules if n == dependency or n.startswith(dependency + ".")]:
-        monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setitem(sys.modules, dependency, None)
-    monkeypatch.delitem(sys.modules, module, raising=False)
-    with pytest.raises(ImportError) as raised:
-        importlib.import_module(module)
-    assert str(raised.value) == (
+    raised = import_without(monkeypatch, module, dependency)
+    assert str(raised) == (
         f"{module} needs {EXTRAS[extra]}, which is not installed: "
         f"pip install 'django-idempotency[{extra}]'"
     )
@@ -85,8 +92,5 @@ def test_installation_docs_show_the_real_error(monkeypatch: pytest.MonkeyPatch) 
         for line in (ROOT / "docs" / "installation.md").read_text().splitlines()
         if line.startswith("ImportError: ")
     ]
-    monkeypatch.setitem(sys.modules, "celery", None)
-    monkeypatch.delitem(sys.modules, "django_idempotency.celery", raising=False)
-    with pytest.raises(ImportError) as raised:
-        importlib.import_module("django_idempotency.celery")
-    assert documented == [str(raised.value)]
+    raised = import_without(monkeypatch, "django_idempotency.celery", "celery")
+    assert documented == [str(raised)]
