@@ -113,10 +113,8 @@ for lane in noxfile.lanes(sys.argv[2:], int(sys.argv[1])):
   for i in "${!lanes[@]}"; do
     read -ra lane <<< "${lanes[$i]}"
     echo "   lane $((i + 1)): ${lane[*]}  (log: .reports/lane$((i + 1)).log)"
-    args=()
-    for name in "${lane[@]}"; do args+=(-s "$name"); done
     TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_lane$((i + 1))" \
-      nox "${args[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
+      nox -s "${lane[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
