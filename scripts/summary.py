@@ -37,7 +37,7 @@ def verdict(entry: dict[str, object]) -> str:
         return "SKIPPED: SERVICE UNREACHABLE"
     code = entry.get("exit")
     if code == 5:
-        return "FAILED: no test ran (exit 5)" if not entry["ok"] else "ok (nothing selected)"
+        return "FAILED: no test ran (exit 5)"
     if not entry["ok"]:
         return f"FAILED (exit {code})"
     return "ok"
