@@ -62,7 +62,7 @@ PLAN: dict[tuple[str, str], tuple[tuple[str, ...], bool]] = {
 # The extras every session installs. Django 5.2 also gets the django.tasks backport.
 EXTRAS = "dev,postgres,mysql,celery,redis,kafka"
 # Extras whose requirements the lowest job pins to their declared minimum (dev tools stay new).
-RUNTIME_EXTRAS = ("celery", "postgres", "mysql", "redis", "kafka", "tasks")
+RUNTIME_EXTRAS = ("celery", "postgres", "mysql", "redis", "kafka", "drf", "tasks")
 
 
 def _find_interpreters() -> None:
