@@ -73,7 +73,10 @@ installed = {
     d.metadata["Name"].lower().replace("_", "-"): d.requires or []
     for d in metadata.distributions()
 }
-print(json.dumps({"modules": results, "promised": extra_modules, "installed": installed}))
+print(json.dumps({
+    "modules": results, "promised": extra_modules, "installed": installed,
+    "django": django.__version__, "python": sys.version.split()[0],
+}))
 """
 
 
@@ -131,7 +134,10 @@ def check_bare(wheel: Path, work: Path) -> tuple[list[str], dict[str, str]]:
         problems.append(
             f"the bare install pulled in more than Django and asgiref: {sorted(extra)}"
         )
-    print(f"   bare: installed {', '.join(sorted(installed))}")
+    print(
+        f"   bare, Django {found['django']} on Python {found['python']}: "
+        f"installed {', '.join(sorted(installed))}"
+    )
     needs: dict[str, str] = {}
     for module, error in found["modules"].items():  # type: ignore[union-attr]
         if error is None:
