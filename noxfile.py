@@ -153,7 +153,9 @@ def _pytest(
     return passed
 
 
-def _services_up(session: nox.Session, backends: tuple[str, ...]) -> tuple[str, ...]:
+def _services_up(
+    session: nox.Session, combination: str, backends: tuple[str, ...]
+) -> tuple[str, ...]:
     """The backends to run: one unreachable is skipped loudly (fails with REQUIRE_SERVICES=1)."""
     sys.path.insert(0, str(ROOT))
     from tests.services import reachable
@@ -165,7 +167,7 @@ def _services_up(session: nox.Session, backends: tuple[str, ...]) -> tuple[str, 
         if os.environ.get("REQUIRE_SERVICES") == "1":
             session.error(f"{backend} is unreachable and REQUIRE_SERVICES=1")
         session.warn(message)
-        _record(combination=session.name, backend=backend, exit=None, ok=True, unreachable=True)
+        _record(combination=combination, backend=backend, exit=None, ok=True, unreachable=True)
     return tuple(b for b in backends if b not in down)
 
 
@@ -197,7 +199,7 @@ def tests(session: nox.Session, django: str) -> None:
         session.run("python", "manage.py", "makemigrations", "--check", "--dry-run")
     failed = [
         backend
-        for backend in _services_up(session, backends)
+        for backend in _services_up(session, combination, backends)
         if not _pytest(session, combination, backend, [*coverage, *marks])
     ]
     if main:
@@ -270,7 +272,7 @@ def lowest(session: nox.Session) -> None:
     )
     failed = [
         backend
-        for backend in _services_up(session, ("sqlite", "postgres"))
+        for backend in _services_up(session, "lowest-py3.11", ("sqlite", "postgres"))
         if not _pytest(session, "lowest-py3.11", backend, ["-m", "not slow"])
     ]
     if failed:
