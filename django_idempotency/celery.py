@@ -23,10 +23,16 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
-from celery.app.task import Task as CeleryTask
-from celery.contrib.django.task import DjangoTask
-from celery.exceptions import Ignore, Reject
 from django.db import InterfaceError, OperationalError
+
+from django_idempotency.extras import missing_extra
+
+try:
+    from celery.app.task import Task as CeleryTask
+    from celery.contrib.django.task import DjangoTask
+    from celery.exceptions import Ignore, Reject
+except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
+    raise missing_extra("celery", __name__) from error
 
 from django_idempotency.event_ids import (
     EVENT_ID_KEY,
@@ -46,8 +52,11 @@ if TYPE_CHECKING:
     from celery import Task
 
     _TaskBase = Task[..., Any]
+    _DjangoTaskBase = DjangoTask[..., Any]
 else:
+    # Celery's Task classes are not subscriptable at run time in every supported release.
     _TaskBase = object
+    _DjangoTaskBase = DjangoTask
 
 
 class IdempotentConsumerMixin(_TaskBase):
@@ -283,7 +292,7 @@ def _preview(value: object, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class IdempotentConsumer(IdempotentConsumerMixin, DjangoTask[..., Any]):
+class IdempotentConsumer(IdempotentConsumerMixin, _DjangoTaskBase):
     """The ready-made idempotent consumer Task base: ``@app.task(base=IdempotentConsumer, ...)``.
 
     It derives from Celery's ``DjangoTask``, so producers keep ``delay_on_commit()`` and

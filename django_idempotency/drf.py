@@ -31,12 +31,17 @@ from typing import Any, ClassVar
 
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
-from rest_framework.exceptions import APIException  # type: ignore[import-untyped]
-from rest_framework.request import Request  # type: ignore[import-untyped]
-from rest_framework.views import APIView  # type: ignore[import-untyped]
 
 from django_idempotency.decorators import OPTIONS_ATTRIBUTE
+from django_idempotency.extras import missing_extra
 from django_idempotency.http import Options, handle, mark_non_atomic
+
+try:
+    from rest_framework.exceptions import APIException  # type: ignore[import-untyped]
+    from rest_framework.request import Request  # type: ignore[import-untyped]
+    from rest_framework.views import APIView  # type: ignore[import-untyped]
+except ImportError as error:  # Django REST framework is the "drf" extra
+    raise missing_extra("drf", __name__) from error
 
 __all__ = ["IdempotentMixin", "authenticated_request", "is_drf_view"]
 

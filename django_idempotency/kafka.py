@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, close_old_connections
 from django.utils.module_loading import import_string
@@ -42,8 +41,21 @@ from django.utils.module_loading import import_string
 from django_idempotency.conf import conf
 from django_idempotency.events import EVENT_ID_KEY, normalize_event_id, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.extras import missing_extra
 from django_idempotency.kafka_settings import ConsumerSettings, consumer_settings
 from django_idempotency.models import EventDelivery
+
+try:
+    from confluent_kafka import (
+        Consumer,
+        KafkaError,
+        KafkaException,
+        Message,
+        Producer,
+        TopicPartition,
+    )
+except ImportError as error:  # confluent-kafka is the "kafka" extra
+    raise missing_extra("kafka", __name__) from error
 
 __all__ = [
     "DEAD_LETTER_HEADERS",

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery import shared_task
-
 from django_idempotency.conf import conf
+from django_idempotency.extras import missing_extra
 from django_idempotency.purge import purge_all
 from django_idempotency.reports import PurgeResult
+
+try:
+    from celery import shared_task
+except ImportError as error:
+    raise missing_extra("celery", __name__) from error
 
 PURGE_TASK_NAME = "django_idempotency.purge_expired"
 

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
-from kombu.exceptions import OperationalError as KombuOperationalError
 
 from django_idempotency.conf import conf
 from django_idempotency.events import EVENT_ID_KEY
@@ -360,6 +359,8 @@ class CeleryTransport:
         connection = self._connection
         if connection is None:
             return True  # it failed while connecting
+        from kombu.exceptions import OperationalError as KombuOperationalError
+
         errors = tuple(connection.connection_errors) + tuple(connection.channel_errors)
         return isinstance(exc, (*errors, KombuOperationalError, OSError))
 

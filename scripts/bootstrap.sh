@@ -31,6 +31,8 @@ stamp=".venv/.installed-$(echo "$extras" | tr ',' '-')"
 want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "== installing django-idempotency[$extras] in editable form"
-  .venv/bin/python -m pip install -q -e ".[$extras]" 2> >(grep -v "is ignored" >&2)
+  # setuptools' "Editable installation" note is information, not a warning: keep it quiet.
+  PYTHONWARNINGS="ignore:Editable installation" \
+    .venv/bin/python -m pip install -q -e ".[$extras]" 2> >(grep -v "is ignored" >&2)
   echo "$want" > "$stamp"
 fi

@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# The whole test command: quality gates, then pytest on SQLite, PostgreSQL and MariaDB.
+# The whole test command: quality gates, then the test matrix (noxfile.py), then a summary table.
 #
 #   scripts/test.sh [pytest args]       (make test)
+#
+# The matrix (nox sessions, noxfile.py): the full suite (slow tests included) on SQLite, PostgreSQL and MariaDB for the
+# main combination, Django 6.1 on Python 3.13, then a pytest -m pooler pass through PgBouncer;
+# the quick suite on SQLite and PostgreSQL for Django 6.1/3.12, 6.0/3.13, 6.0/3.12, 5.2/3.13,
+# 5.2/3.12, and the full one for the oldest, 5.2/3.11; the quick suite with every runtime
+# dependency at its declared minimum ("lowest"); the built wheel installed bare and with each
+# extra in fresh venvs ("install").
 #
 # Environment:
 #   REQUIRE_SERVICES=1  an unreachable PostgreSQL, MariaDB, Redis or RabbitMQ fails the run
 #                       instead of being skipped (.ci/run sets it).
 #   QUICK=1             skip the tests marked slow (races, crashes, real workers, browser).
-#   BACKENDS="sqlite postgres mariadb"   the database passes to run (default: all three).
+#   BACKENDS="sqlite postgres"   only these database passes (default: each combination's own).
+#   SESSIONS="tests(6.1-py3.13) install"   only these nox sessions (default: all).
+#   JOBS=2              lanes for the sessions after the main one (1: one after the other).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REQUIRE_SERVICES="${REQUIRE_SERVICES:-0}"
 export REQUIRE_SERVICES
-BACKENDS="${BACKENDS:-sqlite postgres mariadb}"
 started=$(date +%s)
 
 fail() { echo; echo "!! FAILED: $*" >&2; exit 1; }
 step() { echo; echo "== $*"; }
 
 step "set-up"
-scripts/bootstrap.sh dev,postgres,mysql || fail "set-up"
+scripts/bootstrap.sh dev,postgres,mysql,tasks || fail "set-up"
 # shellcheck disable=SC1091
 source .venv/bin/activate
 export DJANGO_SETTINGS_MODULE=testproject.settings
@@ -55,16 +63,16 @@ python manage.py makemigrations --check --dry-run || fail "makemigrations --chec
 
 if [ -f mkdocs.yml ]; then
   step "docs (mkdocs build --strict)"
-  mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || fail "docs build"
+  # NO_MKDOCS_2_WARNING: Material's banner about its successor is not about this build.
+  NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || fail "docs build"
 fi
 
 step "wheel holds the package, its migrations and templates, and no tests"
 wheel_dir=$(mktemp -d)
-python -m pip wheel -q --no-deps -w "$wheel_dir" . 2> >(grep -v "is ignored" >&2) || fail "pip wheel"
+python -m pip wheel -q --no-deps -w "$wheel_dir" . 2> >(grep -v "is ignored: it is neither" >&2) \
+  || fail "pip wheel"
 python scripts/check_wheel.py "$wheel_dir"/django_idempotency-*.whl || fail "wheel contents"
-
-markexpr=()
-[ "${QUICK:-0}" = 1 ] && markexpr=(-m "not slow")
+twine check --strict "$wheel_dir"/django_idempotency-*.whl || fail "twine check"
 
 # The browser test drives Debian's chromium (never a Playwright download); install it if we can.
 if [ "${QUICK:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then
@@ -73,42 +81,57 @@ if [ "${QUICK:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; t
   scripts/install-chromium.sh || echo "!! chromium could not be installed: see the browser test"
 fi
 
-declare -A db_url=(
-  [sqlite]=""
-  [postgres]="postgres://postgres@127.0.0.1:5432/postgres"
-  [mariadb]="mysql://root@127.0.0.1:3306/test"
-)
-declare -A result
-cov_flag=()
-rm -f .coverage .coverage.*
-for backend in $BACKENDS; do
-  if [ "$backend" != sqlite ] && [ "${state[$backend]}" != up ]; then
-    result[$backend]="SKIPPED (unreachable)"
-    continue
-  fi
-  step "pytest on $backend"
-  t0=$(date +%s)
-  DATABASE_URL="${db_url[$backend]}" TEST_DB_BACKEND="$backend" \
-    python -m pytest -W error::DeprecationWarning --cov --cov-branch --cov-report= "${cov_flag[@]}" "${markexpr[@]}" "$@"
-  code=$?
-  cov_flag=(--cov-append)
-  if [ $code -ne 0 ]; then
-    result[$backend]="FAILED (pytest exit $code)"
-    failed=1
-  else
-    result[$backend]="passed in $(( $(date +%s) - t0 ))s"
-  fi
-done
+rm -rf .reports
+mkdir -p .reports
+if [ -n "${SESSIONS:-}" ]; then
+  read -ra all_sessions <<< "$SESSIONS"
+else
+  mapfile -t all_sessions < <(nox -l --json | python -c \
+    'import json, sys; print("\n".join(s["session"] for s in json.load(sys.stdin)))')
+fi
+main_session="tests(6.1-py3.13)"
+rest=()
+for name in "${all_sessions[@]}"; do [ "$name" = "$main_session" ] || rest+=("$name"); done
+nox_code=0
 
-step "coverage (all backends combined)"
-python -m coverage report | tail -n 15
+if [[ " ${all_sessions[*]} " == *" $main_session "* ]]; then
+  step "the main combination, alone: nox -s $main_session"
+  nox -s "$main_session" -- "$@" || nox_code=1
+fi
+
+# The other sessions in JOBS parallel lanes, each with its own test databases and log.
+JOBS="${JOBS:-2}"
+if [ ${#rest[@]} -gt 0 ]; then
+  mapfile -t lanes < <(python -c '
+import sys
+sys.path.insert(0, ".")
+import noxfile
+for lane in noxfile.lanes(sys.argv[2:], int(sys.argv[1])):
+    print(" ".join(lane))' "$JOBS" "${rest[@]}")
+  step "the other sessions in ${#lanes[@]} lanes (JOBS=$JOBS)"
+  pids=()
+  for i in "${!lanes[@]}"; do
+    read -ra lane <<< "${lanes[$i]}"
+    echo "   lane $((i + 1)): ${lane[*]}  (log: .reports/lane$((i + 1)).log)"
+    TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_lane$((i + 1))" \
+      nox -s "${lane[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || nox_code=1
+    step "lane $((i + 1)) output"
+    cat ".reports/lane$((i + 1)).log"
+  done
+fi
 
 echo
 echo "================================ summary ================================"
-for backend in $BACKENDS; do printf '   %-9s %s\n' "$backend" "${result[$backend]:-not run}"; done
+python scripts/summary.py .reports
+summary_code=$?
 for name in redis rabbitmq; do
   [ "${state[$name]}" = up ] || printf '   %-9s %s\n' "$name" "UNREACHABLE: broker tests SKIPPED"
 done
 echo "   total time: $(( $(date +%s) - started ))s"
 echo "========================================================================="
-[ "${failed:-0}" = 0 ] || fail "pytest"
+[ $nox_code = 0 ] || fail "nox (a session failed; see above)"
+[ $summary_code = 0 ] || fail "a test pass failed (see the summary)"
