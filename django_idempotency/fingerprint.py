@@ -4,7 +4,7 @@ A fingerprint is the SHA-256 of the method, the path with its query string, and 
 JSON body (``Content-Type: application/json`` or any ``+json`` type) is canonicalised first, so
 key order and whitespace do not matter: the body is parsed and dumped again with sorted keys,
 no whitespace and UTF-8 text. A JSON body that does not parse, or cannot be dumped again (a lone
-surrogate such as ``"\ud800"`` is kept as it is; 100,000 nested ``[`` exceed the recursion
+surrogate such as ``"\\ud800"`` is kept as it is; 100,000 nested ``[`` exceed the recursion
 limit), is hashed as the raw bytes it is, as is any other body.
 
 A form (``application/x-www-form-urlencoded``) or multipart (``multipart/form-data``) POST is
