@@ -240,6 +240,12 @@ OPTIONS: dict[str, Option] = {
     "MAX_DELIVERIES": Option(
         5, _positive_int(), "Deliveries of one event before a consumer parks it."
     ),
+    "ASYNC_DELIVERY_COUNT": Option(
+        False,
+        _boolean,
+        "PostgreSQL: a consumer's delivery count commits without waiting on its WAL flush "
+        "(a database crash can lose the latest increment; see docs/consumers.md).",
+    ),
     "PURGE_BATCH_SIZE": Option(
         1000, _positive_int(MAX_BATCH_SIZE), "Rows deleted per purge transaction."
     ),
@@ -353,6 +359,10 @@ class IdempotencySettings:
     @property
     def MAX_DELIVERIES(self) -> int:
         return self.value("MAX_DELIVERIES")  # type: ignore[no-any-return]
+
+    @property
+    def ASYNC_DELIVERY_COUNT(self) -> bool:
+        return self.value("ASYNC_DELIVERY_COUNT")  # type: ignore[no-any-return]
 
     @property
     def PURGE_BATCH_SIZE(self) -> int:
