@@ -34,6 +34,16 @@ come first.) When an event has been delivered more than ``MAX_DELIVERIES`` times
 processed, it is parked: ``parked_at`` is set, :class:`~django_idempotency.exceptions.EventParked`
 is raised, and the adapter rejects the message without requeueing it.
 
+The count is one statement that also reads the processed event: it counts the delivery only
+``WHERE NOT EXISTS`` a :class:`~django_idempotency.models.ProcessedEvent` row, so a duplicate of a
+processed event writes nothing, opens no transaction and is answered there (duplicates are not
+counted). A first delivery still commits twice, the count and then the business transaction, and
+each commit waits on its WAL flush. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL, off by
+default) lets the count's own statement commit without waiting on its flush: it stays visible at
+once and survives the worker's death, and the business transaction's synchronous commit flushes
+it along; only a crash of the database server in between can lose that one increment, which
+delays parking by one delivery (docs/consumers.md, "What a delivery costs").
+
 When the consumer is itself called inside an outer ``transaction.atomic`` on the same database
 (eager Celery tasks inside a request or a test, a loop that batches messages in one transaction),
 the count joins that outer transaction and is only as durable as it is. A worker calls its tasks
@@ -351,7 +361,7 @@ def _count_unless_processed(
     waiting on its WAL flush; see :data:`ASYNC_COMMIT`.
     """
     connection = connections[alias]
-    guard = {"consumer": name, "event_id": event}
+    guard: dict[str, Any] = {"consumer": name, "event_id": event}
     if connection.vendor == "postgresql":
         # The partitioned layout keys a processed event by its partition column too; the guard
         # asks what try_reserve's conflict target would find (and prunes to one partition).
@@ -423,7 +433,8 @@ def _upsert_delivery(
     asynchronous: bool,
 ) -> tuple[int, bool] | None:
     model = EventDelivery
-    sql, params = _insert_sql(connection, model, values, select=guard is not None)
+    # INSERT ... SELECT when a WHERE follows (the guard, or the asynchronous commit).
+    sql, params = _insert_sql(connection, model, values, select=bool(guard) or asynchronous)
     upsert, select = _delivery_sql(connection, sql, tuple(guard or ()), asynchronous)
     with connection.cursor() as cursor:
         if connection.vendor == "mysql":
@@ -569,7 +580,10 @@ def process_event(
     """Run ``body`` once for ``(consumer, event_id)``, in one transaction with the reservation.
 
     1. Count the delivery in its own committed transaction (unless ``count_deliveries`` is
-       False). An event already parked raises :class:`EventParked` at once.
+       False), in one statement that counts only if the event is not processed yet: a duplicate
+       of a processed event returns ``Processed(False, None)`` right there, having written
+       nothing (logged and signalled as in step 2). An event already parked raises
+       :class:`EventParked` at once.
     2. Open ``transaction.atomic(using=...)`` and :func:`try_reserve` the event. A duplicate
        returns ``Processed(False, None)``, logs ``duplicate ignored`` and sends
        :data:`~django_idempotency.signals.event_duplicate`.

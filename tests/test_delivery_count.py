@@ -24,7 +24,7 @@ from testproject.shop.models import Effect
 from tests.workers import REPO, database_url
 
 ASYNC = {"ASYNC_DELIVERY_COUNT": True}
-TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO SAVEPOINT")
+TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO")
 
 
 def statements(queries: CaptureQueriesContext) -> list[str]:
@@ -172,11 +172,14 @@ def test_the_async_count_leaves_the_business_commit_synchronous() -> None:
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_inside_an_outer_transaction_the_count_is_never_asynchronous() -> None:
-    with override_settings(IDEMPOTENCY=ASYNC), CaptureQueriesContext(connection) as queries:
-        with transaction.atomic():
-            assert process_event("ledger", "evt", apply_effect).applied
-            # set_config(..., true) here would last until the OUTER commit, the business one.
-            assert synchronous_commit() == "on"
+    with (
+        override_settings(IDEMPOTENCY=ASYNC),
+        CaptureQueriesContext(connection) as queries,
+        transaction.atomic(),
+    ):
+        assert process_event("ledger", "evt", apply_effect).applied
+        # set_config(..., true) here would last until the OUTER commit, the business one.
+        assert synchronous_commit() == "on"
 
     assert not any("set_config" in str(q["sql"]) for q in queries.captured_queries)
 
