@@ -52,6 +52,7 @@ def processed_table() -> str:
     return connection.ops.quote_name(ProcessedEvent._meta.db_table)
 
 
+@pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
 def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
     outcome, sent = deliver()
@@ -76,6 +77,7 @@ def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
     assert EventDelivery.objects.get().deliveries == 1
 
 
+@pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
 def test_a_duplicate_is_one_statement_that_writes_nothing() -> None:
     deliver()
@@ -148,6 +150,7 @@ def synchronous_commit() -> str:
         return str(cursor.fetchone()[0])
 
 
+@pytest.mark.pooler
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_async_count_leaves_the_business_commit_synchronous() -> None:
@@ -218,6 +221,7 @@ PARKED_EXIT = 3
 
 
 @pytest.mark.slow
+@pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("count", ["sync", "async"])
 def test_a_poison_message_that_kills_its_process_is_parked(count: str) -> None:
