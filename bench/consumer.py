@@ -6,7 +6,9 @@ Every row is the same transaction shape, one ``transaction.atomic`` per event:
 * ``try_reserve + effect``: reserve the event id, then insert the Effect;
 * ``@idempotent_consumer + effect``: the same through the decorator;
 * ``duplicate (try_reserve)``: reserve an id that is already reserved (returns False);
-* ``duplicate (@idempotent_consumer)``: the same through the decorator.
+* ``duplicate (@idempotent_consumer)``: the same through the decorator;
+* ``@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT``: the decorator with the delivery count
+  committed asynchronously (PostgreSQL; the setting is on for that row's rounds only).
 
 Run in its own process with the benchmark settings (the runner does that)::
 
@@ -18,6 +20,7 @@ It prints one JSON document on stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -87,7 +90,23 @@ def build_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
             lambda eid: decorated({"event_id": eid}),
             "duplicate-decorated",
         )
+        rows[ASYNC_ROW] = (lambda eid: decorated({"event_id": eid}), "new")
     return rows
+
+
+ASYNC_ROW = "@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT"
+ROW_SETTINGS: dict[str, dict[str, Any]] = {ASYNC_ROW: {"ASYNC_DELIVERY_COUNT": True}}
+"""IDEMPOTENCY overrides in force during a row's warm-up and rounds (never while timing others)."""
+
+
+def _row_settings(name: str) -> Any:
+    from django.conf import settings
+    from django.test import override_settings
+
+    overrides = ROW_SETTINGS.get(name)
+    if not overrides:
+        return contextlib.nullcontext()
+    return override_settings(IDEMPOTENCY={**getattr(settings, "IDEMPOTENCY", {}), **overrides})
 
 
 def _missing(exc: BaseException) -> Callable[[str], Any]:
@@ -127,8 +146,9 @@ def run(events: int, rounds: int) -> dict[str, Any]:
         handle, kind = rows[name]
         if kind == "new":
             try:
-                for _ in range(20):
-                    handle(str(uuid.uuid4()))
+                with _row_settings(name):
+                    for _ in range(20):
+                        handle(str(uuid.uuid4()))
             except Exception as exc:  # noqa: BLE001 - reported as the row's error
                 errors[name] = f"{type(exc).__name__}: {exc}"
     for round_no in range(rounds):
@@ -142,15 +162,16 @@ def run(events: int, rounds: int) -> dict[str, Any]:
             else:
                 ids = duplicates[round_no * events : (round_no + 1) * events]
             latencies = []
-            began = time.perf_counter()
-            for event_id in ids:
-                t0 = time.perf_counter()
-                with StatementCounter().counting() as counter:
-                    handle(event_id)
-                latencies.append(time.perf_counter() - t0)
-                statements[name][counter.count] += 1
-                commits[name][counter.commits] += 1
-            elapsed = time.perf_counter() - began
+            with _row_settings(name):
+                began = time.perf_counter()
+                for event_id in ids:
+                    t0 = time.perf_counter()
+                    with StatementCounter().counting() as counter:
+                        handle(event_id)
+                    latencies.append(time.perf_counter() - t0)
+                    statements[name][counter.count] += 1
+                    commits[name][counter.commits] += 1
+                elapsed = time.perf_counter() - began
             latencies.sort()
             per_round[name].append(
                 {

@@ -279,6 +279,12 @@ OPTIONS: dict[str, Option] = {
         _kafka_consumers,
         "Kafka consumers run by idempotency_consume: {name: {HANDLER, TOPICS, GROUP, CONFIG}}.",
     ),
+    "ASYNC_DELIVERY_COUNT": Option(
+        False,
+        _boolean,
+        "PostgreSQL: a consumer's delivery count commits without waiting on its WAL flush "
+        "(a database crash can lose the latest increment; see docs/consumers.md).",
+    ),
     "PURGE_BATCH_SIZE": Option(
         1000, _positive_int(MAX_BATCH_SIZE), "Rows deleted per purge transaction."
     ),
@@ -411,6 +417,10 @@ class IdempotencySettings:
     @property
     def KAFKA_CONSUMERS(self) -> dict[str, ConsumerSettings]:
         return self.value("KAFKA_CONSUMERS")  # type: ignore[no-any-return]
+
+    @property
+    def ASYNC_DELIVERY_COUNT(self) -> bool:
+        return self.value("ASYNC_DELIVERY_COUNT")  # type: ignore[no-any-return]
 
     @property
     def PURGE_BATCH_SIZE(self) -> int:

@@ -34,6 +34,16 @@ come first.) When an event has been delivered more than ``MAX_DELIVERIES`` times
 processed, it is parked: ``parked_at`` is set, :class:`~django_idempotency.exceptions.EventParked`
 is raised, and the adapter rejects the message without requeueing it.
 
+The count is one statement that also reads the processed event: it counts the delivery only
+``WHERE NOT EXISTS`` a :class:`~django_idempotency.models.ProcessedEvent` row, so a duplicate of a
+processed event writes nothing, opens no transaction and is answered there (duplicates are not
+counted). A first delivery still commits twice, the count and then the business transaction, and
+each commit waits on its WAL flush. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL, off by
+default) lets the count's own statement commit without waiting on its flush: it stays visible at
+once and survives the worker's death, and the business transaction's synchronous commit flushes
+it along; only a crash of the database server in between can lose that one increment, which
+delays parking by one delivery (docs/consumers.md, "What a delivery costs").
+
 When the consumer is itself called inside an outer ``transaction.atomic`` on the same database
 (eager Celery tasks inside a request or a test, a loop that batches messages in one transaction),
 the count joins that outer transaction and is only as durable as it is. A worker calls its tasks
@@ -215,22 +225,26 @@ def _insert_sql(
     model: type[Model],
     values: Mapping[str, Any],
     raw: Mapping[str, Any] | None = None,
+    *,
+    select: bool = False,
 ) -> tuple[str, list[Any]]:
     """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters.
 
     ``values`` are keyed by model field name; ``raw`` by column name, for columns the model does
-    not declare (the partition key), with values the driver takes as they are. The SQL text is
-    built once per backend, model and column list, then reused (:data:`_SQL`).
+    not declare (the partition key), with values the driver takes as they are. With ``select``,
+    ``SELECT ...`` replaces ``VALUES (...)``, so that the caller can add a ``WHERE``. The SQL
+    text is built once per backend, model and column list, then reused (:data:`_SQL`).
     """
     raw = raw or {}
-    cache_key = ("insert", connection.vendor, model, tuple(values), tuple(raw))
+    cache_key = ("insert", connection.vendor, model, tuple(values), tuple(raw), select)
     cached = _SQL.get(cache_key)
     if cached is None:
         quote = connection.ops.quote_name
         fields = tuple(_field(model, name) for name in values)
         columns = ", ".join([*(quote(field.column) for field in fields), *map(quote, raw)])
         placeholders = ", ".join(["%s"] * (len(fields) + len(raw)))
-        text = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) VALUES ({placeholders})"
+        rows = f"SELECT {placeholders}" if select else f"VALUES ({placeholders})"
+        text = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) {rows}"
         cached = _SQL[cache_key] = (text, fields)
     sql, fields = cached
     params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
@@ -329,59 +343,128 @@ def count_delivery(
     event = normalize_event_id(event_id)
     name = checked_name("consumer name", consumer)
     topic_value = _checked_topic(topic)
-    alias = _alias(using)
+    connection = connections[_alias(using)]
+    counted = _count(connection, _delivery_values(name, event, topic_value, ttl))
+    assert counted is not None  # without a guard, every delivery is counted
+    return Delivery(name, event, topic_value, *counted)
+
+
+def _count_unless_processed(
+    event: str, name: str, topic: str, ttl: timedelta | float | None, alias: str
+) -> Delivery | None:
+    """Count the delivery unless the event is processed already; None if it is.
+
+    One statement on PostgreSQL and SQLite: the upsert's row is selected only ``WHERE NOT
+    EXISTS`` a processed-event row, so a duplicate writes nothing, waits on no WAL flush and
+    returns no row. On MySQL/MariaDB a plain ``SELECT`` comes first. With
+    ``ASYNC_DELIVERY_COUNT`` (PostgreSQL, outside a transaction) the count commits without
+    waiting on its WAL flush; see :data:`ASYNC_COMMIT`.
+    """
     connection = connections[alias]
+    guard: dict[str, Any] = {"consumer": name, "event_id": event}
+    if connection.vendor == "postgresql":
+        # The partitioned layout keys a processed event by its partition column too; the guard
+        # asks what try_reserve's conflict target would find (and prunes to one partition).
+        from django_idempotency.partitioning import event_insert
+
+        layout = event_insert(event, None)
+        guard.update(zip(layout.columns, layout.values, strict=True))
+    values = _delivery_values(name, event, topic, ttl)
+    counted = _count(connection, values, guard=guard, asynchronous=conf.ASYNC_DELIVERY_COUNT)
+    return None if counted is None else Delivery(name, event, topic, *counted)
+
+
+def _delivery_values(
+    name: str, event: str, topic: str, ttl: timedelta | float | None
+) -> dict[str, Any]:
     now = timezone.now()
-    values = {
+    return {
         "consumer": name,
         "event_id": event,
-        "topic": topic_value,
+        "topic": topic,
         "deliveries": 1,
         "first_delivered_at": now,
         "last_delivered_at": now,
         "last_error": "",
         "expires_at": now + _ttl(ttl),
     }
-    if connection.vendor in ("postgresql", "sqlite") and not connection.in_atomic_block:
-        count, parked = _upsert_delivery(connection, values)  # one autocommit statement
-    else:
-        # MySQL/MariaDB read the count back in a second statement, in the same transaction.
-        with transaction.atomic(using=alias):
-            count, parked = _upsert_delivery(connection, values)
-    return Delivery(name, event, topic_value, count, parked)
+
+
+def _count(
+    connection: BaseDatabaseWrapper,
+    values: Mapping[str, Any],
+    *,
+    guard: Mapping[str, Any] | None = None,
+    asynchronous: bool = False,
+) -> tuple[int, bool] | None:
+    """Upsert the counter; (deliveries, parked before), or None if ``guard`` found the event
+    processed (:class:`~django_idempotency.models.ProcessedEvent` columns and their values)."""
+    vendor = connection.vendor
+    if vendor == "mysql":
+        # No RETURNING with ON DUPLICATE KEY UPDATE: read the count back in the same transaction.
+        if guard is not None and _processed(connection, guard):
+            return None
+        with transaction.atomic(using=connection.alias):
+            return _upsert_delivery(connection, values, None, asynchronous=False)
+    if vendor not in ("postgresql", "sqlite"):
+        raise NotSupportedError(
+            f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}."
+        )
+    if not connection.in_atomic_block:
+        # One autocommit statement. Asynchronous commit is only ever asked for here: inside a
+        # transaction, set_config(..., true) would last until that transaction's own COMMIT.
+        asynchronous = asynchronous and vendor == "postgresql"
+        return _upsert_delivery(connection, values, guard, asynchronous=asynchronous)
+    with transaction.atomic(using=connection.alias):
+        return _upsert_delivery(connection, values, guard, asynchronous=False)
+
+
+ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true) = 'off'"
+"""PostgreSQL: this statement's own (autocommit) transaction commits without waiting on its WAL
+flush. ``true`` scopes the setting to that transaction; it is back to the server's value when
+the statement returns. The next synchronous commit on the server flushes the count with it."""
 
 
 def _upsert_delivery(
-    connection: BaseDatabaseWrapper, values: Mapping[str, Any]
-) -> tuple[int, bool]:
+    connection: BaseDatabaseWrapper,
+    values: Mapping[str, Any],
+    guard: Mapping[str, Any] | None,
+    *,
+    asynchronous: bool,
+) -> tuple[int, bool] | None:
     model = EventDelivery
-    sql, params = _insert_sql(connection, model, values)
-    vendor = connection.vendor
-    upsert, select = _delivery_sql(connection, sql)
+    # INSERT ... SELECT when a WHERE follows (the guard, or the asynchronous commit).
+    sql, params = _insert_sql(connection, model, values, select=bool(guard) or asynchronous)
+    upsert, select = _delivery_sql(connection, sql, tuple(guard or ()), asynchronous)
     with connection.cursor() as cursor:
-        if vendor in ("postgresql", "sqlite"):
-            cursor.execute(upsert, params)
-            count, parked = cursor.fetchone()
-        elif vendor == "mysql":
+        if connection.vendor == "mysql":
             prepared = dict(zip(values, params, strict=True))
             cursor.execute(
                 upsert, [*params, prepared["last_delivered_at"], prepared["expires_at"]]
             )
             cursor.execute(select, [prepared["consumer"], prepared["event_id"]])
-            count, parked = cursor.fetchone()
         else:
-            raise NotSupportedError(
-                f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, "
-                f"not {vendor!r}."
-            )
+            cursor.execute(upsert, [*params, *(guard or {}).values()])
+        row = cursor.fetchone()
+    if row is None:  # the guard found a processed event: nothing was written
+        return None
+    count, parked = row
     # parked_at is tested here, not in SQL: SQLite 3.40 answers "parked_at IS NOT NULL" wrongly
     # (true for a NULL) in the RETURNING clause of an upsert.
     return int(count), parked is not None
 
 
-def _delivery_sql(connection: BaseDatabaseWrapper, insert: str) -> tuple[str, str]:
-    """The delivery upsert (and MySQL's read-back), built once per backend and insert text."""
-    cache_key = ("delivery", connection.vendor, insert)
+def _delivery_sql(
+    connection: BaseDatabaseWrapper, insert: str, guard: tuple[str, ...], asynchronous: bool
+) -> tuple[str, str]:
+    """The delivery upsert (and MySQL's read-back), built once per backend, insert and guard.
+
+    With a guard (PostgreSQL, SQLite), ``insert`` is an ``INSERT ... SELECT`` and gets
+    ``WHERE NOT EXISTS (the processed event)``: on a processed event it inserts nothing, updates
+    nothing and returns no row. (Not ``ON CONFLICT DO UPDATE ... WHERE``: that still locks the
+    conflicting row, a write that waits on a WAL flush.)
+    """
+    cache_key = ("delivery", connection.vendor, insert, guard, asynchronous)
     cached = _SQL.get(cache_key)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
@@ -405,15 +488,38 @@ def _delivery_sql(connection: BaseDatabaseWrapper, insert: str) -> tuple[str, st
             f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s"
         )
     else:
+        conditions = [f"NOT EXISTS ({_processed_sql(connection, guard)})"] if guard else []
+        if asynchronous:
+            conditions.append(ASYNC_COMMIT)
+        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
         target = _columns(connection, model, ("consumer", "event_id"))
         upsert = (
-            f"{insert} ON CONFLICT ({target}) DO UPDATE SET "
+            f"{insert}{where} ON CONFLICT ({target}) DO UPDATE SET "
             f"{deliveries} = {table}.{deliveries} + 1, "
             f"{last} = excluded.{last}, {expires} = excluded.{expires} "
             f"RETURNING {deliveries}, {parked_at}"
         )
     _SQL[cache_key] = (upsert, select)
     return upsert, select
+
+
+def _processed_sql(connection: BaseDatabaseWrapper, guard: tuple[str, ...]) -> str:
+    """``SELECT 1 FROM processed_event WHERE column = %s AND ...`` for the ``guard`` columns."""
+    quote = connection.ops.quote_name
+    declared = {field.name: field.column for field in ProcessedEvent._meta.concrete_fields}
+    conditions = " AND ".join(f"{quote(declared.get(name, name))} = %s" for name in guard)
+    return f"SELECT 1 FROM {quote(ProcessedEvent._meta.db_table)} WHERE {conditions}"
+
+
+def _processed(connection: BaseDatabaseWrapper, guard: Mapping[str, Any]) -> bool:
+    """Whether the event is processed already (MySQL/MariaDB: a plain read, no lock)."""
+    cache_key = ("processed", connection.vendor, tuple(guard))
+    sql = _SQL.get(cache_key)
+    if sql is None:
+        sql = _SQL[cache_key] = _processed_sql(connection, tuple(guard))
+    with connection.cursor() as cursor:
+        cursor.execute(sql, list(guard.values()))
+        return cursor.fetchone() is not None
 
 
 def _park(delivery: Delivery, using: str) -> bool:
@@ -474,7 +580,10 @@ def process_event(
     """Run ``body`` once for ``(consumer, event_id)``, in one transaction with the reservation.
 
     1. Count the delivery in its own committed transaction (unless ``count_deliveries`` is
-       False). An event already parked raises :class:`EventParked` at once.
+       False), in one statement that counts only if the event is not processed yet: a duplicate
+       of a processed event returns ``Processed(False, None)`` right there, having written
+       nothing (logged and signalled as in step 2). An event already parked raises
+       :class:`EventParked` at once.
     2. Open ``transaction.atomic(using=...)`` and :func:`try_reserve` the event. A duplicate
        returns ``Processed(False, None)``, logs ``duplicate ignored`` and sends
        :data:`~django_idempotency.signals.event_duplicate`.
@@ -501,7 +610,10 @@ def process_event(
 
     delivery = None
     if count_deliveries:
-        delivery = count_delivery(event, name, topic=topic_value, ttl=ttl, using=alias)
+        delivery = _count_unless_processed(event, name, topic_value, ttl, alias)
+        if delivery is None:  # processed before: answered by the count's one read
+            _duplicate_ignored(event, name, topic_value)
+            return Processed(False, None)
         if delivery.parked:
             logger.error(
                 "parked event delivered again and rejected: event %s, consumer %s "
@@ -543,14 +655,18 @@ def process_event(
         raise
 
     if not applied:
-        logger.info(
-            "duplicate ignored: event %s, consumer %s",
-            event,
-            name,
-            extra={"event_id": event, "consumer": name, "topic": topic_value},
-        )
-        signals.event_duplicate.send(sender=name, event_id=event, topic=topic_value)
+        _duplicate_ignored(event, name, topic_value)
     return Processed(applied, result)
+
+
+def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
+    logger.info(
+        "duplicate ignored: event %s, consumer %s",
+        event,
+        consumer,
+        extra={"event_id": event, "consumer": consumer, "topic": topic},
+    )
+    signals.event_duplicate.send(sender=consumer, event_id=event, topic=topic)
 
 
 def _clear_error(delivery: Delivery, using: str) -> None:

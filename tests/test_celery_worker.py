@@ -112,7 +112,8 @@ def test_same_event_published_twice_gives_one_effect(group: WorkerGroup) -> None
     assert (
         ProcessedEvent.objects.filter(consumer="shop.effect", event_id=str(event_id)).count() == 1
     )
-    assert deliveries("shop.effect", event_id).deliveries == 2
+    # The copy that arrived after the commit was answered by the count's read, not counted.
+    assert deliveries("shop.effect", event_id).deliveries in (1, 2)
 
 
 def test_event_id_in_a_message_header(group: WorkerGroup) -> None:
@@ -159,8 +160,10 @@ def test_ten_publishes_at_once_on_two_workers_give_one_effect(group: WorkerGroup
     assert outcomes.count(None) == 9
     assert effects("shop.effect", event_id) == 1
     delivery = deliveries("shop.effect", event_id)
-    assert delivery.deliveries == 10
-    assert delivery.parked_at is None  # concurrent duplicates are never parked
+    # Copies counted while the first was in flight (a copy that arrives after its commit is
+    # answered as a duplicate without being counted); concurrent duplicates are never parked.
+    assert 1 <= delivery.deliveries <= 10
+    assert delivery.parked_at is None
     received = [
         sum(1 for r in results if f"[{r.id}] received" in w.output()) for w in group.workers
     ]
@@ -238,7 +241,7 @@ def test_worker_killed_after_commit_before_ack_skips_the_redelivery(
     assert wait(group, [result]) == [None]
     assert marker.exists()
     assert effects("shop.crash_after_commit", event_id) == 1
-    assert deliveries("shop.crash_after_commit", event_id).deliveries == 2
+    assert deliveries("shop.crash_after_commit", event_id).deliveries == 1  # not the duplicate
 
 
 def test_poison_message_is_parked_and_the_worker_goes_on(group: WorkerGroup) -> None:

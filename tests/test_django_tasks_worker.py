@@ -118,7 +118,9 @@ def test_the_same_event_enqueued_six_times_on_two_workers_applies_once(
     assert effects("shop.tasks.effect", event_id) == 1
     assert ProcessedEvent.objects.filter(event_id=event_id).count() == 1
     delivery = deliveries("shop.tasks.effect", event_id)
-    assert (delivery.deliveries, delivery.parked_at) == (6, None)
+    # Runs counted while the first was in flight; a run after its commit is not counted.
+    assert 1 <= delivery.deliveries <= 6
+    assert delivery.parked_at is None
     assert {r.worker_ids[0] for r in results} == {"dup-1", "dup-2"}, "both workers took runs"
 
 
@@ -155,7 +157,8 @@ def test_worker_killed_mid_task_rolls_back_and_the_waiting_duplicate_applies_onc
     assert first.status == TaskResultStatus.SUCCESSFUL
     assert first.worker_ids == [holder.name, other.name]
     assert effects("shop.tasks.gated", event_id) == 1
-    assert deliveries("shop.tasks.gated", event_id).deliveries == 3
+    # The killed run and the duplicate were counted; the hand-back found the event processed.
+    assert deliveries("shop.tasks.gated", event_id).deliveries == 2
     assert "duplicate ignored" in other.output()
 
 
@@ -182,7 +185,7 @@ def test_worker_killed_after_commit_before_the_result_is_recorded_runs_no_second
     assert finish([first, duplicate], [successor]) == [None, None]
     assert effects("shop.tasks.gated", event_id) == 1
     assert ProcessedEvent.objects.filter(event_id=event_id).count() == 1
-    assert deliveries("shop.tasks.gated", event_id).deliveries == 3
+    assert deliveries("shop.tasks.gated", event_id).deliveries == 1  # both duplicates uncounted
 
 
 def test_a_task_that_kills_its_worker_every_time_is_parked(start: StartWorker) -> None:

@@ -501,7 +501,7 @@ def test_a_processed_event_is_never_parked() -> None:
     for _ in range(3):
         assert process_event("ledger", "evt", lambda: None, max_deliveries=1).applied is False
     delivery = EventDelivery.objects.get()
-    assert (delivery.deliveries, delivery.parked_at) == (4, None)
+    assert (delivery.deliveries, delivery.parked_at) == (1, None)  # duplicates are not counted
 
 
 @pytest.mark.django_db

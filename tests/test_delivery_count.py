@@ -1,0 +1,250 @@
+"""The delivery count of process_event: the SQL it sends, a duplicate that writes nothing, the
+asynchronous count on PostgreSQL (``ASYNC_DELIVERY_COUNT``), and a poison message that SIGKILLs
+a real process on every delivery, parked with either setting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+from django.test.utils import CaptureQueriesContext
+
+from django_idempotency import new_event_id
+from django_idempotency.events import process_event
+from django_idempotency.models import EventDelivery, ProcessedEvent
+from django_idempotency.signals import event_duplicate
+from testproject.shop.models import Effect
+from tests.workers import REPO, database_url
+
+ASYNC = {"ASYNC_DELIVERY_COUNT": True}
+TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO")
+
+
+def statements(queries: CaptureQueriesContext) -> list[str]:
+    """The statements sent, without transaction control (which differs between backends)."""
+    sql = [str(query["sql"]) for query in queries.captured_queries]
+    return [s for s in sql if not s.upper().startswith(TRANSACTION_CONTROL)]
+
+
+def apply_effect() -> str:
+    Effect.objects.create(name="counted")
+    return "applied"
+
+
+def deliver(event_id: str = "evt") -> tuple[Any, list[str]]:
+    with CaptureQueriesContext(connection) as queries:
+        outcome = process_event("ledger", event_id, apply_effect)
+    return outcome, statements(queries)
+
+
+def delivery_table() -> str:
+    return connection.ops.quote_name(EventDelivery._meta.db_table)
+
+
+def processed_table() -> str:
+    return connection.ops.quote_name(ProcessedEvent._meta.db_table)
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
+    outcome, sent = deliver()
+
+    assert outcome.applied is True
+    if connection.vendor == "mysql":
+        # A plain read of the processed event, the upsert and its read-back, then the rest.
+        assert sent[0].startswith(f"SELECT 1 FROM {processed_table()}")
+        assert sent[1].startswith(f"INSERT INTO {delivery_table()}")
+        assert "ON DUPLICATE KEY UPDATE" in sent[1]
+        assert sent[2].startswith("SELECT")
+        counted = 3
+    else:
+        # One statement: counted only WHERE NOT EXISTS the processed event.
+        assert sent[0].startswith(f"INSERT INTO {delivery_table()}")
+        assert f"WHERE NOT EXISTS (SELECT 1 FROM {processed_table()} WHERE" in sent[0]
+        assert "RETURNING" in sent[0]
+        counted = 1
+    assert sent[counted].startswith(f"INSERT INTO {processed_table()}")
+    assert sent[counted + 1].startswith("INSERT INTO")  # the effect
+    assert len(sent) == counted + 2
+    assert EventDelivery.objects.get().deliveries == 1
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_a_duplicate_is_one_statement_that_writes_nothing() -> None:
+    deliver()
+    before = EventDelivery.objects.get()
+    received: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        received.append({k: v for k, v in kwargs.items() if k != "signal"})
+
+    event_duplicate.connect(receiver)
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            outcome = process_event("ledger", "evt", apply_effect)
+    finally:
+        event_duplicate.disconnect(receiver)
+
+    assert (outcome.applied, outcome.result) == (False, None)
+    # Not even a BEGIN or a COMMIT: the count's own statement found the processed event.
+    sent = [str(query["sql"]) for query in queries.captured_queries]
+    assert len(sent) == 1, sent
+    if connection.vendor == "mysql":
+        assert sent[0].startswith(f"SELECT 1 FROM {processed_table()}")
+    else:
+        assert "WHERE NOT EXISTS" in sent[0]
+    after = EventDelivery.objects.get()
+    assert (after.deliveries, after.last_delivered_at) == (1, before.last_delivered_at)
+    assert Effect.objects.count() == 1
+    assert received == [{"sender": "ledger", "event_id": "evt", "topic": ""}]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_delivery_is_counted_and_the_next_one_too() -> None:
+    def fail() -> None:
+        raise RuntimeError("the body failed")
+
+    with pytest.raises(RuntimeError):
+        process_event("ledger", "evt", fail)
+    outcome, _ = deliver()
+
+    assert outcome.applied is True
+    assert EventDelivery.objects.get().deliveries == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_the_guard_finds_a_processed_event_in_its_partition() -> None:
+    """With EVENT_PARTITIONS, the guard asks for the partition key too, as the reservation's
+    conflict target does."""
+    from django_idempotency import partitioning
+
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")  # inside the test's transaction: rolled back after
+        event_id = str(new_event_id())
+        first, sent = deliver(event_id)
+        again, duplicate = deliver(event_id)
+
+    assert (first.applied, again.applied) == (True, False)
+    column = connection.ops.quote_name(partitioning.PARTITION_COLUMN)
+    assert f"{column} = " in sent[0].split("NOT EXISTS", 1)[1]
+    assert len(duplicate) == 1
+    assert EventDelivery.objects.get().deliveries == 1
+
+
+# --- ASYNC_DELIVERY_COUNT (PostgreSQL) ----------------------------------------------------------
+
+
+def synchronous_commit() -> str:
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW synchronous_commit")
+        return str(cursor.fetchone()[0])
+
+
+@pytest.mark.pooler
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_async_count_leaves_the_business_commit_synchronous() -> None:
+    seen: list[str] = []
+
+    def body() -> None:
+        seen.append(synchronous_commit())
+        Effect.objects.create(name="counted")
+
+    with override_settings(IDEMPOTENCY=ASYNC), CaptureQueriesContext(connection) as queries:
+        assert process_event("ledger", "evt", body).applied
+
+    count = str(queries.captured_queries[0]["sql"])
+    assert "set_config('synchronous_commit', 'off', true)" in count
+    # Scoped to the count's own autocommit transaction: the effect's COMMIT waits on its flush
+    # (and so makes the count durable with it), and the session is left as it was.
+    assert seen == ["on"]
+    assert synchronous_commit() == "on"
+    assert EventDelivery.objects.get().deliveries == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_inside_an_outer_transaction_the_count_is_never_asynchronous() -> None:
+    with (
+        override_settings(IDEMPOTENCY=ASYNC),
+        CaptureQueriesContext(connection) as queries,
+        transaction.atomic(),
+    ):
+        assert process_event("ledger", "evt", apply_effect).applied
+        # set_config(..., true) here would last until the OUTER commit, the business one.
+        assert synchronous_commit() == "on"
+
+    assert not any("set_config" in str(q["sql"]) for q in queries.captured_queries)
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_by_default_the_count_commits_synchronously() -> None:
+    _, sent = deliver()
+    assert "set_config" not in sent[0]
+
+
+# --- A poison message that SIGKILLs its process, on every delivery -----------------------------
+
+POISON = textwrap.dedent(
+    """
+    import os, signal, sys
+    import django
+    django.setup()
+    from django.test import override_settings
+    from django_idempotency.events import process_event
+    from django_idempotency.exceptions import EventParked
+    from testproject.shop.models import Effect
+
+    def body():
+        Effect.objects.create(name="poison")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with override_settings(IDEMPOTENCY={"ASYNC_DELIVERY_COUNT": sys.argv[1] == "async"}):
+        try:
+            process_event("poison", "evt-poison", body, max_deliveries=2)
+        except EventParked:
+            sys.exit(3)
+    """
+)
+PARKED_EXIT = 3
+
+
+@pytest.mark.slow
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("count", ["sync", "async"])
+def test_a_poison_message_that_kills_its_process_is_parked(count: str) -> None:
+    env = {
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "PYTHONPATH": str(REPO),
+    }
+    codes = []
+    for _ in range(3):
+        run = subprocess.run(
+            [sys.executable, "-c", POISON, count],
+            cwd=REPO,
+            env={**os.environ, **env},
+            capture_output=True,
+            timeout=60,
+        )
+        codes.append(run.returncode)
+        assert run.returncode in (-signal.SIGKILL, PARKED_EXIT), run.stderr.decode()[-2000:]
+
+    # Two deliveries died with their process, after their count committed; the third is parked.
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL, PARKED_EXIT]
+    delivery = EventDelivery.objects.get(consumer="poison")
+    assert (delivery.deliveries, delivery.parked_at is not None) == (3, True)
+    assert not Effect.objects.exists()
+    assert not ProcessedEvent.objects.exists()
