@@ -27,6 +27,9 @@ from tests.workers import database_url
 
 pytestmark = [
     pytest.mark.slow,
+    # PostgreSQL and MariaDB; SQLite's single writer adds nothing the runner does not show there.
+    pytest.mark.postgres,
+    pytest.mark.mysql,
     pytest.mark.timeout(240),
     pytest.mark.django_db(transaction=True),
 ]
