@@ -48,7 +48,8 @@ PGBOUNCER_URL = "postgres://postgres@127.0.0.1:6432/postgres"
 
 # (Django, Python): the database passes, and whether the slow tests run there. The first is the
 # main combination, the newest Django on the newest Python: the full suite on every backend, then
-# the pass through PgBouncer. The oldest combination runs its slow tests too.
+# the pass through PgBouncer. The oldest combination runs its slow tests too, on PostgreSQL
+# (SLOW_ON): they are the long part of a pass, and the main combination runs them on every backend.
 MAIN = ("6.1", "3.13")
 PLAN: dict[tuple[str, str], tuple[tuple[str, ...], bool]] = {
     MAIN: (("sqlite", "postgres", "mariadb"), True),
@@ -59,6 +60,7 @@ PLAN: dict[tuple[str, str], tuple[tuple[str, ...], bool]] = {
     ("5.2", "3.12"): (("sqlite", "postgres"), False),
     ("5.2", "3.11"): (("sqlite", "postgres"), True),
 }
+SLOW_ON = ("postgres",)
 # The extras every session installs. Django 5.2 also gets the django.tasks backport.
 EXTRAS = "dev,postgres,mysql,celery,redis,kafka"
 # Extras whose requirements the lowest job pins to their declared minimum (dev tools stay new).
@@ -86,6 +88,10 @@ def _find_interpreters() -> None:
 _find_interpreters()
 
 
+def _marks(slow: bool) -> list[str]:
+    return [] if slow else ["-m", "not slow"]
+
+
 def _install(session: nox.Session, django: str, extras: str = EXTRAS, *args: str) -> None:
     if django == "5.2":
         extras += ",tasks"
@@ -98,7 +104,7 @@ def _record(**entry: object) -> None:
         lines.write(json.dumps(entry) + "\n")
 
 
-def _pytest(
+def _pass_command(
     session: nox.Session,
     combination: str,
     backend: str,
@@ -106,12 +112,8 @@ def _pytest(
     *,
     label: str | None = None,
     env: dict[str, str] | None = None,
-) -> bool:
-    """One pytest pass; record it for the summary and say whether it passed.
-
-    pytest's exit 5 (no test collected, or all deselected) fails the pass: no selection here,
-    not even ``-m pooler``, may be empty.
-    """
+) -> tuple[list[str], dict[str, str], Path]:
+    """The command, environment and JUnit report of one pytest pass."""
     name = label or backend
     junit = REPORTS / f"{combination}-{name}.xml"
     junit.unlink(missing_ok=True)
@@ -135,22 +137,82 @@ def _pytest(
         *pytest_args,
         *session.posargs,
     ]
-    session.log(f"pytest on {name}: {' '.join(command[3:])}")
-    started = time.monotonic()
-    code = subprocess.run(command, env=run_env, cwd=ROOT, check=False).returncode
-    seconds = round(time.monotonic() - started, 1)
-    passed = code == 0
+    return command, run_env, junit
+
+
+def _finish_pass(
+    session: nox.Session, combination: str, name: str, code: int, seconds: float, junit: Path
+) -> bool:
+    """Record one finished pass for the summary and say whether it passed.
+
+    pytest's exit 5 (no test collected, or all deselected) fails the pass: no selection here,
+    not even ``-m pooler``, may be empty.
+    """
     _record(
         combination=combination,
         backend=name,
         exit=code,
-        ok=passed,
-        seconds=seconds,
+        ok=code == 0,
+        seconds=round(seconds, 1),
         junit=str(junit),
     )
     if code == 5:
         session.warn(f"pytest on {name} collected no test (exit 5)")
-    return passed
+    return code == 0
+
+
+def _pytest(
+    session: nox.Session,
+    combination: str,
+    backend: str,
+    pytest_args: list[str],
+    *,
+    label: str | None = None,
+    env: dict[str, str] | None = None,
+) -> bool:
+    """One pytest pass, in the foreground; record it for the summary and say if it passed."""
+    command, run_env, junit = _pass_command(
+        session, combination, backend, pytest_args, label=label, env=env
+    )
+    name = label or backend
+    session.log(f"pytest on {name}: {' '.join(command[3:])}")
+    started = time.monotonic()
+    code = subprocess.run(command, env=run_env, cwd=ROOT, check=False).returncode
+    return _finish_pass(session, combination, name, code, time.monotonic() - started, junit)
+
+
+def _pytest_together(
+    session: nox.Session, combination: str, backends: tuple[str, ...], pytest_args: list[str]
+) -> list[str]:
+    """One pass per backend, all at once; returns the backends whose pass failed.
+
+    The passes use three different database servers, so their test databases cannot collide,
+    and most of a slow pass is spent waiting on subprocesses, brokers and sleeps: side by side
+    they take little longer than the longest alone. Each writes its output to
+    ``.reports/<combination>-<backend>.log``, printed whole when it ends, and its coverage data
+    to ``.coverage.<backend>`` (combined afterwards).
+    """
+    running = []
+    for backend in backends:
+        command, run_env, junit = _pass_command(session, combination, backend, pytest_args)
+        run_env["COVERAGE_FILE"] = str(ROOT / f".coverage.{backend}")
+        log = REPORTS / f"{combination}-{backend}.log"
+        session.log(f"pytest on {backend} (log: {log.relative_to(ROOT)}): {' '.join(command[3:])}")
+        output = log.open("w")
+        process = subprocess.Popen(
+            command, env=run_env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
+        )
+        running.append((backend, process, output, log, junit, time.monotonic()))
+    failed = []
+    for backend, process, output, log, junit, started in running:
+        code = process.wait()
+        seconds = time.monotonic() - started
+        output.close()
+        print(f"\n----- pytest on {backend} ({seconds:.0f}s, exit {code}) -----", flush=True)
+        print(log.read_text(), flush=True)
+        if not _finish_pass(session, combination, backend, code, seconds, junit):
+            failed.append(backend)
+    return failed
 
 
 def _services_up(
@@ -190,23 +252,27 @@ def tests(session: nox.Session, django: str) -> None:
         "python", "-c", "import django, sys; print('Django', django.__version__, sys.version)"
     )
     combination = f"django{django}-py{python}"
-    marks = [] if slow else ["-m", "not slow"]
     main = (django, python) == MAIN
-    coverage = ["--cov", "--cov-branch", "--cov-report=", "--cov-append"] if main else []
     if main:
         for stale in ROOT.glob(".coverage*"):
             stale.unlink()
         session.run("python", "manage.py", "makemigrations", "--check", "--dry-run")
-    failed = [
-        backend
-        for backend in _services_up(session, combination, backends)
-        if not _pytest(session, combination, backend, [*coverage, *marks])
-    ]
+    up = _services_up(session, combination, backends)
+    if main:
+        # Every backend at once, with coverage; see _pytest_together.
+        coverage = ["--cov", "--cov-branch", "--cov-report="]
+        failed = _pytest_together(session, combination, up, [*coverage, *_marks(slow)])
+    else:
+        failed = [
+            backend
+            for backend in up
+            if not _pytest(session, combination, backend, _marks(slow and backend in SLOW_ON))
+        ]
     if main:
         if not _pgbouncer_pass(session, combination):
             failed.append("pgbouncer")
-        if coverage:
-            session.run("python", "-m", "coverage", "report", "--skip-covered")
+        session.run("python", "-m", "coverage", "combine", "--quiet")
+        session.run("python", "-m", "coverage", "report", "--skip-covered")
     if failed:
         session.error(f"pytest failed on: {', '.join(failed)}")
 
@@ -306,7 +372,9 @@ def lanes(sessions: list[str], jobs: int) -> list[list[str]]:
         if match is None:
             return 2 if name == "lowest" else 1
         backends, slow = PLAN[(match.group(1), match.group(2))]
-        return len(backends) * (3 if slow and os.environ.get("QUICK") != "1" else 1)
+        slow = slow and os.environ.get("QUICK") != "1"
+        # A slow pass takes about ten times a quick one.
+        return sum(10 if slow and backend in SLOW_ON else 1 for backend in backends)
 
     shares: list[list[str]] = [[] for _ in range(max(1, jobs))]
     loads = [0] * len(shares)
