@@ -66,7 +66,7 @@ from django.db import (
     transaction,
 )
 from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Field, Model
+from django.db.models import Exists, Field, Model
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -533,14 +533,30 @@ def _park(delivery: Delivery, using: str) -> bool:
         )
 
 
-def _record_error(delivery: Delivery, error: BaseException, using: str) -> None:
-    """Keep the last error of a failed delivery, for the admin; never hides the error itself."""
+def _record_error(
+    delivery: Delivery, error: BaseException, using: str, *, unless_processed: bool = False
+) -> None:
+    """Keep the last error of a failed delivery, for the admin; never hides the error itself.
+
+    With ``unless_processed``, an event that has been processed meanwhile keeps no error: a
+    retry that a failed delivery published before it finished (Celery's ``autoretry_for``)
+    may already have applied the event and cleared the error, and this one is then stale.
+    """
     text = f"{type(error).__name__}: {error}"[:2000]
+    rows = EventDelivery.objects.using(using).filter(
+        consumer=delivery.consumer, event_id=delivery.event_id
+    )
+    if unless_processed:
+        rows = rows.exclude(
+            Exists(
+                ProcessedEvent.objects.using(using).filter(
+                    consumer=delivery.consumer, event_id=delivery.event_id
+                )
+            )
+        )
     try:
         with transaction.atomic(using=using):
-            EventDelivery.objects.using(using).filter(
-                consumer=delivery.consumer, event_id=delivery.event_id
-            ).update(last_error=text)
+            rows.update(last_error=text)
     except DatabaseError:  # the body's error is the one that matters, and it propagates
         logger.warning(
             "could not record the error of event %s for consumer %s",
@@ -651,7 +667,7 @@ def process_event(
         if committed and isinstance(exc, Exception):
             _after_commit_failed(event, name, delivery, exc, alias)
         if delivery is not None and isinstance(exc, Exception):
-            _record_error(delivery, exc, alias)
+            _record_error(delivery, exc, alias, unless_processed=True)
         raise
 
     if not applied:

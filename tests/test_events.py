@@ -681,3 +681,19 @@ def test_a_lock_timeout_inside_try_reserve_propagates() -> None:
                 cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
         threads.join()
     assert not ProcessedEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_delivery_leaves_no_error_on_an_event_processed_meanwhile() -> None:
+    """Celery's autoretry publishes the retry before the failed delivery ends; the retry may
+    apply the event (clearing the error) before the failed one records its error."""
+    from django_idempotency import events
+
+    count_delivery("evt-late-error", "billing")
+    delivery = events.Delivery("billing", "evt-late-error", "", 1, False)
+    with transaction.atomic():
+        assert try_reserve("evt-late-error", "billing")  # the retry applied the event
+    events._record_error(delivery, RuntimeError("stale"), "default", unless_processed=True)
+    assert EventDelivery.objects.get(event_id="evt-late-error").last_error == ""
+    events._record_error(delivery, RuntimeError("kept"), "default")
+    assert EventDelivery.objects.get(event_id="evt-late-error").last_error == "RuntimeError: kept"
