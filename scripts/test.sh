@@ -95,7 +95,7 @@ for name in "${all_sessions[@]}"; do [ "$name" = "$main_session" ] || rest+=("$n
 nox_code=0
 
 if [[ " ${all_sessions[*]} " == *" $main_session "* ]]; then
-  step "the main combination, alone: nox -s $main_session"
+  step "the main combination, its backends side by side: nox -s $main_session"
   nox -s "$main_session" -- "$@" || nox_code=1
 fi
 
