@@ -53,7 +53,7 @@ def test_every_extra_named_in_errors_is_declared() -> None:
 
 def test_redis_extra_brings_celerys_redis_transport() -> None:
     redis = setup_cfg()["options.extras_require"]["redis"].split()
-    assert redis == ["celery[redis]>=5.5"]
+    assert redis == ["celery[redis]>=5.7"]
 
 
 def test_lowest_job_pins_every_runtime_dependency_to_its_minimum() -> None:
@@ -64,8 +64,8 @@ def test_lowest_job_pins_every_runtime_dependency_to_its_minimum() -> None:
         sys.path.remove(str(ROOT))
     pins = noxfile.lowest_constraints()
     assert "django==5.2" in pins
-    assert "celery==5.5" in pins
-    assert "psycopg==3.1.12" in pins and "psycopg-binary==3.1.12" in pins
+    assert "celery==5.7" in pins
+    assert "psycopg==3.2" in pins and "psycopg-binary==3.2" in pins
     assert {pin.split("==")[0] for pin in pins} >= {"asgiref", "mysqlclient", "confluent-kafka"}
 
 
