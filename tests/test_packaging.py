@@ -65,7 +65,7 @@ def test_lowest_job_pins_every_runtime_dependency_to_its_minimum() -> None:
     pins = noxfile.lowest_constraints()
     assert "django==5.2" in pins
     assert "celery==5.7" in pins
-    assert "psycopg==3.2" in pins and "psycopg-binary==3.2" in pins
+    assert "psycopg==3.2.1" in pins and "psycopg-binary==3.2.1" in pins
     assert {pin.split("==")[0] for pin in pins} >= {"asgiref", "mysqlclient", "confluent-kafka"}
 
 
