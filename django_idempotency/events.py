@@ -538,16 +538,19 @@ def _record_error(
 ) -> None:
     """Keep the last error of a failed delivery, for the admin; never hides the error itself.
 
-    With ``unless_processed``, an event that has been processed meanwhile keeps no error: a
-    retry that a failed delivery published before it finished (Celery's ``autoretry_for``)
-    may already have applied the event and cleared the error, and this one is then stale.
+    With ``unless_processed``, the error is kept only while this is still the latest delivery
+    and the event is not processed: a retry that a failed delivery published before it finished
+    (Celery's ``autoretry_for``) may already have counted itself or applied the event, and then
+    this error is stale.
     """
     text = f"{type(error).__name__}: {error}"[:2000]
     rows = EventDelivery.objects.using(using).filter(
         consumer=delivery.consumer, event_id=delivery.event_id
     )
     if unless_processed:
-        rows = rows.exclude(
+        # A later delivery has counted itself (and will clear or replace the error), or has
+        # applied the event: this error is stale either way.
+        rows = rows.filter(deliveries=delivery.count).exclude(
             Exists(
                 ProcessedEvent.objects.using(using).filter(
                     consumer=delivery.consumer, event_id=delivery.event_id

@@ -697,3 +697,14 @@ def test_a_failed_delivery_leaves_no_error_on_an_event_processed_meanwhile() -> 
     assert EventDelivery.objects.get(event_id="evt-late-error").last_error == ""
     events._record_error(delivery, RuntimeError("kept"), "default")
     assert EventDelivery.objects.get(event_id="evt-late-error").last_error == "RuntimeError: kept"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_delivery_leaves_no_error_once_a_later_delivery_counted_itself() -> None:
+    """The later delivery clears the error only if it was there first; after it, none lands."""
+    from django_idempotency import events
+
+    first = count_delivery("evt-later", "billing")
+    count_delivery("evt-later", "billing")  # the retry, counted before the first one ends
+    events._record_error(first, RuntimeError("stale"), "default", unless_processed=True)
+    assert EventDelivery.objects.get(event_id="evt-later").last_error == ""
