@@ -196,6 +196,9 @@ def try_reserve(
         from django_idempotency.partitioning import event_insert
 
         layout = event_insert(event, occurred_at)
+        if not layout.columns:
+            state = _call_reserve(connection, name, event, topic_value, now, now + duration)
+            return state == RESERVED
         raw = dict(zip(layout.columns, layout.values, strict=True))
         unique = layout.conflict_target
     return _insert_new(
@@ -211,6 +214,74 @@ def try_reserve(
         unique=unique,
         raw=raw,
     )
+
+
+RESERVED, PROCESSED, PARKED = "reserved", "processed", "parked"
+"""What a reservation found: this call reserved the event, it was processed before, or (for a
+first delivery, see :func:`_reserve_first_delivery`) its delivery counter is parked."""
+
+RESERVE_POSTGRESQL = "SELECT django_idempotency_reserve_v1(%s, %s, %s, %s, %s, %s)"
+"""The reservation on PostgreSQL (default layout): a call of the function that migration
+``0006_event_functions`` creates, whose plan PostgreSQL caches per server session."""
+
+
+def _call_reserve(
+    connection: BaseDatabaseWrapper,
+    name: str,
+    event: str,
+    topic: str,
+    now: datetime,
+    expires: datetime,
+    *,
+    first_delivery: bool = False,
+) -> str:
+    """Reserve through ``django_idempotency_reserve_v1``; RESERVED, PROCESSED or PARKED.
+
+    With ``first_delivery`` the function also reads the event's delivery counter: a parked event
+    is refused (nothing inserted), and an error an earlier delivery recorded is cleared in the
+    reserving transaction, so it stays only if this delivery rolls back."""
+    prep = _field(ProcessedEvent, "processed_at").get_db_prep_save
+    with connection.cursor() as cursor:
+        cursor.execute(
+            RESERVE_POSTGRESQL,
+            [name, event, topic, prep(now, connection), prep(expires, connection), first_delivery],
+        )
+        row = cursor.fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: str) -> str:
+    """Reserve a delivery the broker vouches was never made before (``redelivered=False``).
+
+    Its count was skipped, so the reservation reads what the count would have: a parked event
+    is refused, and an error an earlier failed delivery left on the counter is cleared with this
+    delivery's success. On PostgreSQL (default layout) that is the one function call of
+    :func:`try_reserve`; elsewhere a plain read of the counter comes first.
+    """
+    connection = connections[alias]
+    if connection.vendor == "postgresql":
+        from django_idempotency.partitioning import event_insert
+
+        if not event_insert(event, None).columns:
+            now = timezone.now()
+            return _call_reserve(
+                connection, name, event, topic, now, now + _ttl(ttl), first_delivery=True
+            )
+    counter = list(
+        EventDelivery.objects.using(alias)
+        .filter(consumer=name, event_id=event)
+        .values_list("parked_at", "last_error")[:1]
+    )
+    if counter and counter[0][0] is not None:
+        return PARKED
+    if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
+        return PROCESSED
+    if counter and counter[0][1]:
+        EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(
+            last_error=""
+        )
+    return RESERVED
 
 
 def _field(model: type[Model], name: str) -> Field[Any, Any]:
@@ -350,39 +421,90 @@ def count_delivery(
 
 
 def _count_unless_processed(
-    event: str, name: str, topic: str, ttl: timedelta | float | None, alias: str
+    event: str,
+    name: str,
+    topic: str,
+    ttl: timedelta | float | None,
+    alias: str,
+    *,
+    redelivered: bool = False,
 ) -> Delivery | None:
     """Count the delivery unless the event is processed already; None if it is.
 
     One statement on PostgreSQL and SQLite: the upsert's row is selected only ``WHERE NOT
     EXISTS`` a processed-event row, so a duplicate writes nothing, waits on no WAL flush and
-    returns no row. On MySQL/MariaDB a plain ``SELECT`` comes first. With
-    ``ASYNC_DELIVERY_COUNT`` (PostgreSQL, outside a transaction) the count commits without
-    waiting on its WAL flush; see :data:`ASYNC_COMMIT`.
+    returns no row. On PostgreSQL (default layout) the statement is a call of
+    ``django_idempotency_count_v1`` (migration ``0006_event_functions``), planned once per server
+    session. On MySQL/MariaDB a plain ``SELECT`` comes first. With ``ASYNC_DELIVERY_COUNT``
+    (PostgreSQL, outside a transaction) the count commits without waiting on its WAL flush; see
+    :data:`ASYNC_COMMIT`.
+
+    ``redelivered``: the broker says the event was delivered before, so a counter that is not
+    there yet starts at 2: the earlier delivery was a first one, which skips its count.
     """
     connection = connections[alias]
     guard: dict[str, Any] = {"consumer": name, "event_id": event}
+    deliveries = 2 if redelivered else 1
+    asynchronous = conf.ASYNC_DELIVERY_COUNT
     if connection.vendor == "postgresql":
         # The partitioned layout keys a processed event by its partition column too; the guard
         # asks what try_reserve's conflict target would find (and prunes to one partition).
         from django_idempotency.partitioning import event_insert
 
         layout = event_insert(event, None)
+        if not layout.columns:
+            counted = _call_count(connection, name, event, topic, ttl, deliveries, asynchronous)
+            return None if counted is None else Delivery(name, event, topic, *counted)
         guard.update(zip(layout.columns, layout.values, strict=True))
-    values = _delivery_values(name, event, topic, ttl)
-    counted = _count(connection, values, guard=guard, asynchronous=conf.ASYNC_DELIVERY_COUNT)
+    values = _delivery_values(name, event, topic, ttl, deliveries)
+    counted = _count(connection, values, guard=guard, asynchronous=asynchronous)
     return None if counted is None else Delivery(name, event, topic, *counted)
 
 
+COUNT_POSTGRESQL = "SELECT * FROM django_idempotency_count_v1(%s, %s, %s, %s, %s, %s, %s)"
+"""The guarded delivery count on PostgreSQL (default layout): a call of the function that
+migration ``0006_event_functions`` creates."""
+
+
+def _call_count(
+    connection: BaseDatabaseWrapper,
+    name: str,
+    event: str,
+    topic: str,
+    ttl: timedelta | float | None,
+    deliveries: int,
+    asynchronous: bool,
+) -> tuple[int, bool] | None:
+    """Count through ``django_idempotency_count_v1``; None if the event is processed.
+
+    Outside a transaction the call is one autocommit statement, asynchronous if asked; inside
+    one it joins it in a savepoint and is never asynchronous (see :func:`_count`)."""
+    now = timezone.now()
+    prep = _field(EventDelivery, "last_delivered_at").get_db_prep_save
+    params = [name, event, topic, deliveries, prep(now, connection)]
+    params.append(prep(now + _ttl(ttl), connection))
+    if not connection.in_atomic_block:
+        return _fetch_count(connection, [*params, asynchronous])
+    with transaction.atomic(using=connection.alias):
+        return _fetch_count(connection, [*params, False])
+
+
+def _fetch_count(connection: BaseDatabaseWrapper, params: list[Any]) -> tuple[int, bool] | None:
+    with connection.cursor() as cursor:
+        cursor.execute(COUNT_POSTGRESQL, params)
+        row = cursor.fetchone()
+    return None if row is None else (int(row[0]), bool(row[1]))
+
+
 def _delivery_values(
-    name: str, event: str, topic: str, ttl: timedelta | float | None
+    name: str, event: str, topic: str, ttl: timedelta | float | None, deliveries: int = 1
 ) -> dict[str, Any]:
     now = timezone.now()
     return {
         "consumer": name,
         "event_id": event,
         "topic": topic,
-        "deliveries": 1,
+        "deliveries": deliveries,
         "first_delivered_at": now,
         "last_delivered_at": now,
         "last_error": "",
@@ -595,6 +717,7 @@ def process_event(
     using: str | None = None,
     max_deliveries: int | None = None,
     count_deliveries: bool = True,
+    redelivered: bool | None = None,
 ) -> Processed[T]:
     """Run ``body`` once for ``(consumer, event_id)``, in one transaction with the reservation.
 
@@ -618,6 +741,22 @@ def process_event(
        body registered) is raised as :class:`~django_idempotency.exceptions.OnCommitFailed`,
        with the original as its ``__cause__``: the event is applied and a redelivery would be
        skipped as a duplicate, so it must not be read as "nothing applied".
+
+    ``redelivered`` is what the broker says of this message, where it says it reliably:
+
+    * ``None`` (the default): unknown; every delivery is counted as above.
+    * ``False``: the broker vouches that this message was never delivered before (AMQP's
+      ``redelivered`` flag, which RabbitMQ sets on every message it delivers again). Step 1 is
+      skipped: its commit is what makes a first delivery cost twice the effect alone. Nothing
+      is lost by it: if this delivery dies with its process, the broker's next delivery says
+      ``redelivered=True`` and counts for both. Step 2 still refuses a parked event, and a
+      delivery that fails counts itself after its rollback (then parks the event once it has
+      failed more than ``max_deliveries`` times, so a loop of retries ends).
+    * ``True``: the message may have been delivered before. It is counted as in step 1, and a
+      counter that does not exist yet starts at 2, for the uncounted first delivery.
+
+    Never pass ``False`` from a broker that does not set the flag for certain: a message that
+    kills its worker on every delivery would then never be counted, and never parked.
     """
     event = normalize_event_id(event_id)
     name = checked_name("consumer name", consumer)
@@ -626,25 +765,21 @@ def process_event(
     limit = conf.MAX_DELIVERIES if max_deliveries is None else max_deliveries
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"max_deliveries must be a positive integer, not {limit!r}.")
+    if redelivered is not None and not isinstance(redelivered, bool):
+        raise TypeError(f"redelivered must be True, False or None, not {redelivered!r}.")
 
+    # The broker vouches for a first delivery: its count is skipped (see above).
+    first = count_deliveries and redelivered is False
     delivery = None
-    if count_deliveries:
-        delivery = _count_unless_processed(event, name, topic_value, ttl, alias)
+    if count_deliveries and not first:
+        delivery = _count_unless_processed(
+            event, name, topic_value, ttl, alias, redelivered=bool(redelivered)
+        )
         if delivery is None:  # processed before: answered by the count's one read
             _duplicate_ignored(event, name, topic_value)
             return Processed(False, None)
         if delivery.parked:
-            logger.error(
-                "parked event delivered again and rejected: event %s, consumer %s "
-                "(%d deliveries). Delete its EventDelivery row to let it run again.",
-                event,
-                name,
-                delivery.count,
-                extra={"event_id": event, "consumer": name, "topic": topic_value},
-            )
-            raise EventParked(
-                f"Event {event} for consumer {name!r} is parked ({delivery.count} deliveries)."
-            )
+            _reject_parked(event, name, topic_value, delivery.count)
     over_limit = delivery is not None and delivery.count > limit
     committed: list[bool] = []
 
@@ -653,10 +788,15 @@ def process_event(
             # Registered first, so it runs first among the commit hooks: once it has run, the
             # transaction has committed, whatever a later hook raises.
             transaction.on_commit(lambda: committed.append(True), using=alias)
-            if not try_reserve(event, name, topic=topic_value, ttl=ttl, using=alias):
+            if first:
+                state = _reserve_first_delivery(event, name, topic_value, ttl, alias)
+            else:
+                reserved = try_reserve(event, name, topic=topic_value, ttl=ttl, using=alias)
+                state = RESERVED if reserved else PROCESSED
+            if state == PROCESSED:
                 applied = False
                 result = None
-            elif over_limit:
+            elif state == PARKED or over_limit:
                 raise _ParkInstead
             else:
                 applied = True
@@ -664,18 +804,79 @@ def process_event(
                 if delivery is not None and delivery.count > 1:
                     _clear_error(delivery, alias)
     except _ParkInstead:
-        assert delivery is not None
+        if delivery is None:  # a first delivery found the event parked
+            _reject_parked(event, name, topic_value, None)
         _park_and_raise(delivery, limit, alias)
     except BaseException as exc:
-        if committed and isinstance(exc, Exception):
-            _after_commit_failed(event, name, delivery, exc, alias)
-        if delivery is not None and isinstance(exc, Exception):
-            _record_error(delivery, exc, alias, unless_processed=True)
+        if isinstance(exc, Exception):
+            if first:
+                # Its count was skipped: a failure counts itself now, after the rollback.
+                delivery = _count_failure(event, name, topic_value, ttl, alias, bool(committed))
+            if committed:
+                _after_commit_failed(event, name, delivery, exc, alias)
+            if delivery is not None:
+                _record_error(delivery, exc, alias, unless_processed=True)
+                if first and delivery.count > limit:
+                    _park_after_failures(delivery, limit, alias)
         raise
 
     if not applied:
         _duplicate_ignored(event, name, topic_value)
     return Processed(applied, result)
+
+
+def _reject_parked(event: str, consumer: str, topic: str, count: int | None) -> NoReturn:
+    times = "" if count is None else f" ({count} deliveries)"
+    logger.error(
+        "parked event delivered again and rejected: event %s, consumer %s%s. Delete its "
+        "EventDelivery row to let it run again.",
+        event,
+        consumer,
+        times,
+        extra={"event_id": event, "consumer": consumer, "topic": topic},
+    )
+    raise EventParked(f"Event {event} for consumer {consumer!r} is parked{times}.")
+
+
+def _count_failure(
+    event: str, name: str, topic: str, ttl: Any, alias: str, committed: bool
+) -> Delivery | None:
+    """Count a failed first delivery, whose count was skipped; None if it could not be.
+
+    A failure before the commit is counted unless the event is processed meanwhile (a retry
+    published before this delivery ended may have applied it). An ``on_commit`` failure is
+    counted on the processed event, where the admin shows its error. A database error here is
+    logged and never hides the body's own error, which is the one that propagates.
+    """
+    try:
+        if committed:
+            return count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
+        return _count_unless_processed(event, name, topic, ttl, alias)
+    except DatabaseError:
+        logger.warning(
+            "could not count the failed delivery of event %s for consumer %s",
+            event,
+            name,
+            exc_info=True,
+        )
+        return None
+
+
+def _park_after_failures(delivery: Delivery, limit: int, using: str) -> None:
+    """Park an event whose first deliveries keep failing; the error itself still propagates.
+
+    The next delivery, a first one or not, is then refused before its body runs."""
+    try:
+        newly = _park(delivery, using)
+    except DatabaseError:
+        logger.warning(
+            "could not park event %s for consumer %s",
+            delivery.event_id,
+            delivery.consumer,
+            exc_info=True,
+        )
+        return
+    _parked(delivery, limit, newly)
 
 
 def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
@@ -718,7 +919,15 @@ def _after_commit_failed(
 
 
 def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
-    newly = _park(delivery, using)
+    _parked(delivery, limit, _park(delivery, using))
+    raise EventParked(
+        f"Event {delivery.event_id} for consumer {delivery.consumer!r} was delivered "
+        f"{delivery.count} times without being processed (limit {limit}) and is parked."
+    )
+
+
+def _parked(delivery: Delivery, limit: int, newly: bool) -> None:
+    """Log a parked event at ERROR, and signal it the first time."""
     logger.error(
         "EVENT PARKED: event %s, consumer %s, delivered %d times without being processed "
         "(MAX_DELIVERIES=%d). It will not run again. Find it in the admin under "
@@ -740,10 +949,6 @@ def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
             topic=delivery.topic,
             deliveries=delivery.count,
         )
-    raise EventParked(
-        f"Event {delivery.event_id} for consumer {delivery.consumer!r} was delivered "
-        f"{delivery.count} times without being processed (limit {limit}) and is parked."
-    )
 
 
 MISSING_ID_PREFIX = "no-event-id:"

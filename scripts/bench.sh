@@ -22,6 +22,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
 fi
 
+scripts/mariadb-headers.sh
+
 stamp="$venv/.installed"
 want="$(sha256sum setup.cfg pyproject.toml | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

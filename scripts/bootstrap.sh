@@ -8,17 +8,8 @@ cd "$(dirname "$0")/.."
 extras="${1:-demo}"
 PYTHON="${PYTHON:-python3}"
 
-if [[ ",$extras," == *",mysql,"* ]] \
-    && ! { pkg-config --exists libmariadb || pkg-config --exists mysqlclient; } 2>/dev/null; then
-  echo "== installing the MariaDB client headers (mysqlclient needs them)"
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libmariadb-dev pkg-config >/dev/null
-  else
-    echo "!! libmariadb-dev and pkg-config are missing; install them (as root: apt-get install" \
-         "libmariadb-dev pkg-config), or run the tests without MariaDB." >&2
-    exit 1
-  fi
+if [[ ",$extras," == *",mysql,"* ]]; then
+  scripts/mariadb-headers.sh
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -18,12 +18,15 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import new_event_id
 from django_idempotency.events import process_event
+from django_idempotency.exceptions import EventParked, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
-from django_idempotency.signals import event_duplicate
+from django_idempotency.signals import event_duplicate, event_parked
 from testproject.shop.models import Effect
 from tests.workers import REPO, database_url
 
 ASYNC = {"ASYNC_DELIVERY_COUNT": True}
+COUNT_FUNCTION = "django_idempotency_count_v1"
+RESERVE_FUNCTION = "django_idempotency_reserve_v1"
 TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO")
 
 
@@ -65,13 +68,19 @@ def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
         assert "ON DUPLICATE KEY UPDATE" in sent[1]
         assert sent[2].startswith("SELECT")
         counted = 3
+    elif connection.vendor == "postgresql":
+        # One call of the count function (migration 0006), then one of the reservation's.
+        assert sent[0].startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
+        assert sent[1].startswith(f"SELECT {RESERVE_FUNCTION}(")
+        counted = 1
     else:
         # One statement: counted only WHERE NOT EXISTS the processed event.
         assert sent[0].startswith(f"INSERT INTO {delivery_table()}")
         assert f"WHERE NOT EXISTS (SELECT 1 FROM {processed_table()} WHERE" in sent[0]
         assert "RETURNING" in sent[0]
         counted = 1
-    assert sent[counted].startswith(f"INSERT INTO {processed_table()}")
+    if connection.vendor != "postgresql":
+        assert sent[counted].startswith(f"INSERT INTO {processed_table()}")
     assert sent[counted + 1].startswith("INSERT INTO")  # the effect
     assert len(sent) == counted + 2
     assert EventDelivery.objects.get().deliveries == 1
@@ -100,6 +109,8 @@ def test_a_duplicate_is_one_statement_that_writes_nothing() -> None:
     assert len(sent) == 1, sent
     if connection.vendor == "mysql":
         assert sent[0].startswith(f"SELECT 1 FROM {processed_table()}")
+    elif connection.vendor == "postgresql":
+        assert sent[0].startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
     else:
         assert "WHERE NOT EXISTS" in sent[0]
     after = EventDelivery.objects.get()
@@ -164,7 +175,8 @@ def test_the_async_count_leaves_the_business_commit_synchronous() -> None:
         assert process_event("ledger", "evt", body).applied
 
     count = str(queries.captured_queries[0]["sql"])
-    assert "set_config('synchronous_commit', 'off', true)" in count
+    # The function's last argument: it runs set_config('synchronous_commit', 'off', true).
+    assert count.startswith(f"SELECT * FROM {COUNT_FUNCTION}(") and count.endswith(", true)")
     # Scoped to the count's own autocommit transaction: the effect's COMMIT waits on its flush
     # (and so makes the count durable with it), and the session is left as it was.
     assert seen == ["on"]
@@ -184,7 +196,8 @@ def test_inside_an_outer_transaction_the_count_is_never_asynchronous() -> None:
         # set_config(..., true) here would last until the OUTER commit, the business one.
         assert synchronous_commit() == "on"
 
-    assert not any("set_config" in str(q["sql"]) for q in queries.captured_queries)
+    counts = [str(q["sql"]) for q in queries.captured_queries if COUNT_FUNCTION in str(q["sql"])]
+    assert len(counts) == 1 and counts[0].endswith(", false)"), counts
 
 
 @pytest.mark.postgres
@@ -192,6 +205,116 @@ def test_inside_an_outer_transaction_the_count_is_never_asynchronous() -> None:
 def test_by_default_the_count_commits_synchronously() -> None:
     _, sent = deliver()
     assert "set_config" not in sent[0]
+    assert sent[0].endswith(", false)")
+
+
+# --- redelivered: what the broker says of a message ----------------------------------------------
+
+
+def fail() -> None:
+    raise RuntimeError("the body failed")
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_a_first_delivery_the_broker_vouches_for_skips_its_count() -> None:
+    with CaptureQueriesContext(connection) as queries:
+        outcome = process_event("ledger", "evt", apply_effect, redelivered=False)
+
+    assert (outcome.applied, outcome.result) == (True, "applied")
+    sent = statements(queries)
+    if connection.vendor == "postgresql":
+        # The reservation's call reads the counter too (its last argument), then the effect.
+        assert sent[0].startswith(f"SELECT {RESERVE_FUNCTION}(") and sent[0].endswith(", true)")
+        assert len(sent) == 2, sent
+    else:
+        # A plain read of the counter, the reservation, the effect: no count, no commit of its
+        # own.
+        assert sent[0].startswith("SELECT") and delivery_table() in sent[0]
+        assert any(s.startswith(f"INSERT INTO {processed_table()}") for s in sent)
+    assert not any("ON CONFLICT" in s and delivery_table() in s for s in sent)
+    assert not EventDelivery.objects.exists()
+    assert Effect.objects.count() == 1
+    assert process_event("ledger", "evt", apply_effect, redelivered=False).applied is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_first_delivery_counts_itself_and_a_success_clears_its_error() -> None:
+    with pytest.raises(RuntimeError, match="the body failed"):
+        process_event("ledger", "evt", fail, redelivered=False)
+    counter = EventDelivery.objects.get()
+    assert (counter.deliveries, counter.last_error) == (1, "RuntimeError: the body failed")
+
+    # A retry is a new message, a first delivery again (Celery publishes one).
+    assert process_event("ledger", "evt", apply_effect, redelivered=False).applied is True
+    counter.refresh_from_db()
+    assert (counter.deliveries, counter.last_error) == (1, "")
+    assert Effect.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_redelivery_counts_the_first_delivery_that_skipped_its_count() -> None:
+    # The first delivery died with its process: nothing of it is left in the database.
+    assert process_event("ledger", "evt", apply_effect, redelivered=True).applied is True
+    assert EventDelivery.objects.get().deliveries == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_parked_event_refuses_a_first_delivery_before_its_body_runs() -> None:
+    ran: list[bool] = []
+    for _ in range(3):  # max_deliveries=2: the third delivery is parked
+        with pytest.raises((RuntimeError, EventParked)):
+            process_event("ledger", "evt", fail, max_deliveries=2)
+    assert EventDelivery.objects.get().parked_at is not None
+
+    with pytest.raises(EventParked, match="is parked"):
+        process_event("ledger", "evt", lambda: ran.append(True), redelivered=False)
+    assert ran == []
+    assert not ProcessedEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_first_deliveries_that_keep_failing_park_the_event() -> None:
+    """A loop of retries, each a new message, ends: the failure that passes the limit parks the
+    event, and the next delivery is refused without running."""
+    parked: list[dict[str, Any]] = []
+
+    def receiver(**kwargs: Any) -> None:
+        parked.append({k: v for k, v in kwargs.items() if k != "signal"})
+
+    event_parked.connect(receiver)
+    try:
+        for _ in range(3):
+            with pytest.raises(RuntimeError):
+                process_event("ledger", "evt", fail, max_deliveries=2, redelivered=False)
+    finally:
+        event_parked.disconnect(receiver)
+    counter = EventDelivery.objects.get()
+    assert counter.deliveries == 3 and counter.parked_at is not None
+    assert parked == [{"sender": "ledger", "event_id": "evt", "topic": "", "deliveries": 3}]
+
+    with pytest.raises(EventParked):
+        process_event("ledger", "evt", apply_effect, max_deliveries=2, redelivered=False)
+    assert not Effect.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_on_commit_failure_of_a_first_delivery_is_recorded_on_its_counter() -> None:
+    def body() -> None:
+        Effect.objects.create(name="counted")
+        transaction.on_commit(fail)
+
+    with pytest.raises(OnCommitFailed):
+        process_event("ledger", "evt", body, redelivered=False)
+    counter = EventDelivery.objects.get()
+    assert counter.last_error.startswith("OnCommitFailed: ")
+    assert ProcessedEvent.objects.filter(event_id="evt").exists()
+
+
+@pytest.mark.django_db
+def test_redelivered_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="redelivered must be True, False or None"):
+        process_event("ledger", "evt", apply_effect, redelivered="no")  # type: ignore[arg-type]
 
 
 # --- A poison message that SIGKILLs its process, on every delivery -----------------------------
@@ -210,9 +333,14 @@ POISON = textwrap.dedent(
         Effect.objects.create(name="poison")
         os.kill(os.getpid(), signal.SIGKILL)
 
+    # "flag": the broker's redelivered flag, False on the first delivery and True after it.
+    redelivered = {"sync": None, "async": None, "flag-first": False, "flag-again": True}
     with override_settings(IDEMPOTENCY={"ASYNC_DELIVERY_COUNT": sys.argv[1] == "async"}):
         try:
-            process_event("poison", "evt-poison", body, max_deliveries=2)
+            process_event(
+                "poison", "evt-poison", body, max_deliveries=2,
+                redelivered=redelivered[sys.argv[1]],
+            )
         except EventParked:
             sys.exit(3)
     """
@@ -223,17 +351,21 @@ PARKED_EXIT = 3
 @pytest.mark.slow
 @pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("count", ["sync", "async"])
+@pytest.mark.parametrize("count", ["sync", "async", "flag"])
 def test_a_poison_message_that_kills_its_process_is_parked(count: str) -> None:
+    """sync, async: every delivery counted (ASYNC_DELIVERY_COUNT off, on). flag: the broker
+    vouches for the first delivery (redelivered=False), which skips its count; the later ones
+    say redelivered=True and count for it."""
     env = {
         "DJANGO_SETTINGS_MODULE": "testproject.settings",
         "DATABASE_URL": database_url(connection.settings_dict),
         "PYTHONPATH": str(REPO),
     }
     codes = []
-    for _ in range(3):
+    for delivery in range(3):
+        mode = count if count != "flag" else ("flag-first" if delivery == 0 else "flag-again")
         run = subprocess.run(
-            [sys.executable, "-c", POISON, count],
+            [sys.executable, "-c", POISON, mode],
             cwd=REPO,
             env={**os.environ, **env},
             capture_output=True,
