@@ -22,6 +22,7 @@ import random
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
+from weakref import WeakKeyDictionary
 
 from django.db import InterfaceError, OperationalError
 
@@ -72,7 +73,8 @@ class IdempotentConsumerMixin(_TaskBase):
     * ``max_deliveries``: deliveries before the event is parked; default ``MAX_DELIVERIES``.
       Every delivery counts, autoretry's retries included, so keep it above ``max_retries + 1``.
     * ``count_deliveries``: set False to skip poison-message counting (one transaction less per
-      message, and no parking).
+      message, and no parking). On RabbitMQ a first delivery skips it anyway, and nothing is
+      lost by that: see :meth:`broker_redelivered`.
     * ``database_retry_delay`` and ``database_retry_delay_max``: the backoff, in seconds, while
       the database is unavailable (default 1 and 60; see below).
 
@@ -165,6 +167,29 @@ class IdempotentConsumerMixin(_TaskBase):
             value = find_event_id(args, {})
         return cast("EventId | None", value)
 
+    def broker_redelivered(self) -> bool | None:
+        """What the broker says of this delivery: :func:`process_event`'s ``redelivered``.
+
+        * True when the message carries the ``redelivered`` flag: RabbitMQ sets it on every
+          message it delivers again, kombu's Redis transport on every message it restores.
+        * False on an AMQP broker (RabbitMQ) when the flag is not set: AMQP vouches that such a
+          message was never delivered before, so its delivery count is skipped (one commit
+          less; the next delivery counts for it if this one dies with its worker).
+        * None on every other broker, where a missing flag proves nothing (Celery reads a
+          missing flag as False), and when the request carries no delivery information: every
+          delivery is counted.
+
+        Override it for a broker whose flag you know to be reliable.
+        """
+        delivery_info = self.request.delivery_info or {}
+        if "redelivered" not in delivery_info:
+            return None  # no word from the broker at all
+        if delivery_info["redelivered"]:
+            return True
+        if _driver_type(self.app) == "amqp":
+            return False
+        return None
+
     def _header_event_id(self) -> Any:
         request = self.request
         # Eagerly, apply_async(headers=...) arrives as request.headers. From a broker, Celery
@@ -222,6 +247,7 @@ class IdempotentConsumerMixin(_TaskBase):
                 using=self.database,
                 max_deliveries=self.max_deliveries,
                 count_deliveries=self.count_deliveries,
+                redelivered=self.broker_redelivered() if from_broker else None,
             )
         except EventParked as exc:
             if not from_broker:
@@ -285,6 +311,21 @@ class IdempotentConsumerMixin(_TaskBase):
             countdown=countdown,
             max_retries=int(self.request.retries or 0) + 1,
         )
+
+
+_DRIVER_TYPES: WeakKeyDictionary[Any, tuple[Any, str]] = WeakKeyDictionary()
+"""Celery app -> (its broker URLs, their kombu driver type: "amqp", "redis", "memory", ...)."""
+
+
+def _driver_type(app: Any) -> str:
+    """The kind of broker an app reads from; the transport is built, never connected."""
+    urls = (app.conf.broker_read_url, app.conf.broker_url)
+    cached = _DRIVER_TYPES.get(app)
+    if cached is None or cached[0] != urls:
+        with app.connection_for_read() as connection:
+            cached = (urls, str(connection.transport.driver_type))
+        _DRIVER_TYPES[app] = cached
+    return cached[1]
 
 
 def _preview(value: object, limit: int = 500) -> str:

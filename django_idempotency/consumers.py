@@ -31,6 +31,7 @@ def idempotent_consumer(
     using: str | None = None,
     max_deliveries: int | None = None,
     count_deliveries: bool = True,
+    redelivered: Callable[..., bool | None] | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R | None]]:
     """Make a plain consumer function (a Kafka, NATS or SQS loop's handler) run once per event.
 
@@ -58,6 +59,14 @@ def idempotent_consumer(
     :param using: the database alias; default the ``DATABASE`` setting.
     :param max_deliveries: deliveries before the event is parked; default ``MAX_DELIVERIES``.
     :param count_deliveries: False skips poison-message counting (and parking).
+    :param redelivered: called with the function's arguments, returns what the broker says of
+        the message: False if the broker vouches that it was never delivered before, which
+        skips that delivery's count (one commit less); True if it may have been; None if it
+        does not say. Default: None for every message. See
+        :func:`~django_idempotency.events.process_event` for when False is safe. For example
+        ``redelivered=lambda msg: msg.delivery_info["redelivered"]`` for an AMQP (RabbitMQ)
+        message, or ``lambda msg: int(msg.attributes["ApproximateReceiveCount"]) > 1`` for
+        SQS.
     """
     checked_name("consumer name", consumer)
 
@@ -82,6 +91,7 @@ def idempotent_consumer(
                     "id. Pass event_id=... to @idempotent_consumer to say where it is."
                 )
             topic_value = topic(*args, **kwargs) if callable(topic) else topic
+            flag = redelivered(*args, **kwargs) if redelivered is not None else None
             outcome = process_event(
                 consumer,
                 raw,
@@ -91,6 +101,7 @@ def idempotent_consumer(
                 using=using,
                 max_deliveries=max_deliveries,
                 count_deliveries=count_deliveries,
+                redelivered=flag,
             )
             return outcome.result
 

@@ -324,6 +324,58 @@ def test_from_a_broker_a_parked_event_is_rejected_for_good() -> None:
     assert EventDelivery.objects.get().parked_at is not None
 
 
+def delivered(task: Any, delivery_info: dict[str, Any] | None) -> bool | None:
+    task.push_request(id="task-id", delivery_info=delivery_info)
+    try:
+        return task.broker_redelivered()  # type: ignore[no-any-return]
+    finally:
+        task.pop_request()
+
+
+@pytest.mark.parametrize(
+    ("broker_url", "flag", "expected"),
+    [
+        # AMQP vouches for a first delivery: False skips its count.
+        ("amqp://guest:guest@127.0.0.1:5672//", False, False),
+        ("pyamqp://guest:guest@127.0.0.1:5672//", False, False),
+        ("amqp://guest:guest@127.0.0.1:5672//", None, None),  # no delivery information
+        ("amqp://guest:guest@127.0.0.1:5672//", True, True),
+        # Elsewhere a missing flag proves nothing (Celery reads it as False): every delivery is
+        # counted; a flag that is set is still believed.
+        ("redis://127.0.0.1:6379/15", False, None),
+        ("redis://127.0.0.1:6379/15", True, True),
+        ("memory://", False, None),
+    ],
+)
+def test_the_broker_vouches_for_a_first_delivery_only_over_amqp(
+    broker_url: str, flag: bool | None, expected: bool | None
+) -> None:
+    saved = app.conf.broker_url
+    app.conf.broker_url = broker_url
+    try:
+        info = None if flag is None else {"redelivered": flag}
+        assert delivered(effect, info) is expected
+    finally:
+        app.conf.broker_url = saved
+
+
+@pytest.mark.django_db
+def test_from_an_amqp_broker_a_first_delivery_skips_its_count() -> None:
+    saved = app.conf.broker_url
+    app.conf.broker_url = "amqp://guest:guest@127.0.0.1:5672//"
+    effect.push_request(id="task-id", is_eager=False, called_directly=False)
+    try:
+        effect.request.delivery_info = {"redelivered": False}
+        assert effect(event_id="evt") == "applied"
+        assert not EventDelivery.objects.exists()
+        effect.request.delivery_info = {"redelivered": True}
+        assert effect(event_id="evt") is None  # a duplicate, answered by the count's read
+    finally:
+        effect.pop_request()
+        app.conf.broker_url = saved
+    assert Effect.objects.count() == 1
+
+
 @pytest.fixture
 def memory_broker() -> Iterator[Any]:
     """Publish for real, to kombu's in-memory transport, instead of running tasks eagerly."""

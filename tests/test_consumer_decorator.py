@@ -137,6 +137,27 @@ def test_a_poison_event_is_parked() -> None:
     assert delivery.topic == "t"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_redelivered_is_read_from_each_message() -> None:
+    @idempotent_consumer(
+        "amqp-loop", event_id=lambda msg: msg["id"], redelivered=lambda msg: msg["redelivered"]
+    )
+    def handle(msg: dict[str, Any]) -> str:
+        Effect.objects.create(name="amqp-loop", payload=msg["id"])
+        return "applied"
+
+    # The broker vouches for a first delivery: no count.
+    assert handle({"id": "a", "redelivered": False}) == "applied"
+    assert not EventDelivery.objects.exists()
+    # A redelivery of an event whose first delivery died: counted for both.
+    assert handle({"id": "b", "redelivered": True}) == "applied"
+    assert EventDelivery.objects.get(event_id="b").deliveries == 2
+    # No word from the broker: counted as every delivery is by default.
+    assert handle({"id": "c", "redelivered": None}) == "applied"
+    assert EventDelivery.objects.get(event_id="c").deliveries == 1
+    assert Effect.objects.filter(name="amqp-loop").count() == 3
+
+
 def test_the_wrapper_keeps_the_function_identity() -> None:
     assert on_order_confirmed.__name__ == "on_order_confirmed"
     assert on_order_confirmed.__doc__ == "Write one effect per event."
