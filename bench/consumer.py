@@ -8,7 +8,10 @@ Every row is the same transaction shape, one ``transaction.atomic`` per event:
 * ``duplicate (try_reserve)``: reserve an id that is already reserved (returns False);
 * ``duplicate (@idempotent_consumer)``: the same through the decorator;
 * ``@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT``: the decorator with the delivery count
-  committed asynchronously (PostgreSQL; the setting is on for that row's rounds only).
+  committed asynchronously (PostgreSQL; the setting is on for that row's rounds only);
+* ``@idempotent_consumer + effect, redelivered=False``: the decorator on a first delivery that
+  the broker vouches for (AMQP's redelivered flag, as the Celery adapter reads it on RabbitMQ),
+  which skips its count.
 
 Run in its own process with the benchmark settings (the runner does that)::
 
@@ -78,8 +81,12 @@ def build_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
     try:
         from django_idempotency import idempotent_consumer
 
-        @idempotent_consumer(DECORATED, event_id=lambda evt: evt["event_id"])
-        def decorated(evt: dict[str, str]) -> None:
+        @idempotent_consumer(
+            DECORATED,
+            event_id=lambda evt: evt["event_id"],
+            redelivered=lambda evt: evt.get("redelivered"),
+        )
+        def decorated(evt: dict[str, Any]) -> None:
             Effect.objects.create(name="consumer-decorated", payload=evt["event_id"])
 
     except (ImportError, TypeError) as exc:
@@ -91,10 +98,15 @@ def build_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
             "duplicate-decorated",
         )
         rows[ASYNC_ROW] = (lambda eid: decorated({"event_id": eid}), "new")
+        rows[FIRST_ROW] = (
+            lambda eid: decorated({"event_id": eid, "redelivered": False}),
+            "new",
+        )
     return rows
 
 
 ASYNC_ROW = "@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT"
+FIRST_ROW = "@idempotent_consumer + effect, redelivered=False"
 ROW_SETTINGS: dict[str, dict[str, Any]] = {ASYNC_ROW: {"ASYNC_DELIVERY_COUNT": True}}
 """IDEMPOTENCY overrides in force during a row's warm-up and rounds (never while timing others)."""
 

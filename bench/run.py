@@ -191,6 +191,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for row, limit in (
         ("@idempotent_consumer + effect", 1.5),
         ("@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT", 1.5),
+        ("@idempotent_consumer + effect, redelivered=False", 1.5),
         ("duplicate (@idempotent_consumer)", 0.6),
         ("try_reserve + effect", 1.3),
     ):

@@ -33,4 +33,17 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 
 export PYTHONDONTWRITEBYTECODE=1
-exec "$venv/bin/python" -m bench "$@"
+# The in-process section's PgBouncer row needs PgBouncer in transaction mode: start it (installing
+# Debian's package if needed) unless it already runs, and stop it afterwards if we started it.
+started_pgbouncer=0
+if ! scripts/pgbouncer.sh status >/dev/null 2>&1; then
+  if scripts/pgbouncer.sh start; then
+    started_pgbouncer=1
+  else
+    echo "!! PgBouncer could not be started: the in-process PgBouncer row will fail" >&2
+  fi
+fi
+status=0
+"$venv/bin/python" -m bench "$@" || status=$?
+if [ "$started_pgbouncer" = 1 ]; then scripts/pgbouncer.sh stop; fi
+exit "$status"

@@ -9,6 +9,7 @@ backend's pass of the test command. A test that needs Redis or RabbitMQ asks for
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -105,6 +106,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             red=True,
             bold=True,
         )
+
+
+@pytest.fixture
+def remote_calls() -> Iterator[Counter[str]]:
+    """The calls the probe flows made to their fake remote system, empty before and after."""
+    from testproject.shop.probe_flows import REMOTE_CALLS
+
+    REMOTE_CALLS.clear()
+    yield REMOTE_CALLS
+    REMOTE_CALLS.clear()
 
 
 @pytest.fixture(scope="session")

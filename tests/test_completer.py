@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 
@@ -21,21 +20,9 @@ from testproject.shop import probe_flows
 from testproject.shop.probe_flows import REMOTE_CALLS, ProbeError
 from tests.probes import body, effects, post, problem
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("remote_calls")]
 
 URL = "/probe/flow/"
-
-
-@pytest.fixture
-def client() -> Client:
-    return Client(raise_request_exception=True)
-
-
-@pytest.fixture(autouse=True)
-def _reset_remote_calls() -> Iterator[None]:
-    REMOTE_CALLS.clear()
-    yield
-    REMOTE_CALLS.clear()
 
 
 def abandon(client: Client, after: str, url: str = URL) -> str:
