@@ -255,9 +255,12 @@ def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: 
     """Reserve a delivery the broker vouches was never made before (``redelivered=False``).
 
     Its count was skipped, so the reservation reads what the count would have: a parked event
-    is refused, and an error an earlier failed delivery left on the counter is cleared with this
-    delivery's success. On PostgreSQL (default layout) that is the one function call of
-    :func:`try_reserve`; elsewhere a plain read of the counter comes first.
+    is refused (PARKED: the caller rolls the reservation back), and an error an earlier failed
+    delivery left on the counter is cleared with this delivery's success. The counter is read
+    after the insert, which waits for any delivery that holds the event, so it sees the error
+    a failed delivery recorded while holding it (:func:`_fail_first_delivery`). On PostgreSQL
+    (default layout) all of it is the one function call of :func:`try_reserve`; elsewhere a
+    plain read of the counter follows the insert.
     """
     connection = connections[alias]
     if connection.vendor == "postgresql":
@@ -268,19 +271,14 @@ def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: 
             return _call_reserve(
                 connection, name, event, topic, now, now + _ttl(ttl), first_delivery=True
             )
-    counter = list(
-        EventDelivery.objects.using(alias)
-        .filter(consumer=name, event_id=event)
-        .values_list("parked_at", "last_error")[:1]
-    )
-    if counter and counter[0][0] is not None:
-        return PARKED
     if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
         return PROCESSED
-    if counter and counter[0][1]:
-        EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(
-            last_error=""
-        )
+    counter = EventDelivery.objects.using(alias).filter(consumer=name, event_id=event)
+    found = list(counter.values_list("parked_at", "last_error")[:1])
+    if found and found[0][0] is not None:
+        return PARKED
+    if found and found[0][1]:
+        counter.update(last_error="")
     return RESERVED
 
 
@@ -809,15 +807,15 @@ def process_event(
         _park_and_raise(delivery, limit, alias)
     except BaseException as exc:
         if isinstance(exc, Exception):
-            if first:
-                # Its count was skipped: a failure counts itself now, after the rollback.
-                delivery = _count_failure(event, name, topic_value, ttl, alias, bool(committed))
+            if first and not committed:
+                # Its count was skipped: the failure counts itself, after the rollback.
+                _fail_first_delivery(event, name, topic_value, ttl, alias, exc, limit)
+            elif first:
+                delivery = _count_after_commit(event, name, topic_value, ttl, alias)
             if committed:
                 _after_commit_failed(event, name, delivery, exc, alias)
-            if delivery is not None:
+            if delivery is not None and not first:
                 _record_error(delivery, exc, alias, unless_processed=True)
-                if first and delivery.count > limit:
-                    _park_after_failures(delivery, limit, alias)
         raise
 
     if not applied:
@@ -838,20 +836,43 @@ def _reject_parked(event: str, consumer: str, topic: str, count: int | None) -> 
     raise EventParked(f"Event {event} for consumer {consumer!r} is parked{times}.")
 
 
-def _count_failure(
-    event: str, name: str, topic: str, ttl: Any, alias: str, committed: bool
-) -> Delivery | None:
-    """Count a failed first delivery, whose count was skipped; None if it could not be.
+def _fail_first_delivery(
+    event: str,
+    name: str,
+    topic: str,
+    ttl: Any,
+    alias: str,
+    error: BaseException,
+    limit: int,
+) -> None:
+    """Count a failed first delivery (its count was skipped), keep its error, park if due.
 
-    A failure before the commit is counted unless the event is processed meanwhile (a retry
-    published before this delivery ended may have applied it). An ``on_commit`` failure is
-    counted on the processed event, where the admin shows its error. A database error here is
-    logged and never hides the body's own error, which is the one that propagates.
+    It runs in a transaction that first reserves the event, and gives the reservation up again
+    before it commits. That reservation orders it against every other delivery of the event:
+
+    * a delivery that applied the event meanwhile (a retry Celery published before this one
+      ended) has it reserved: the insert waits for it, then finds it processed, and nothing is
+      recorded, so no stale error lands on a processed event;
+    * a delivery that comes meanwhile waits for this transaction, then reads the counter as it
+      left it: it clears the error if it succeeds, and it is refused if the event got parked.
+
+    The event is parked in the same transaction once it has failed more than ``limit`` times.
+    A database error here is logged and never hides the body's own error, which propagates.
     """
+    text = f"{type(error).__name__}: {error}"[:2000]
     try:
-        if committed:
-            return count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
-        return _count_unless_processed(event, name, topic, ttl, alias)
+        with transaction.atomic(using=alias):
+            if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
+                return  # applied meanwhile: this error is stale
+            delivery = count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
+            changes: dict[str, Any] = {"last_error": text}
+            park = delivery.count > limit and not delivery.parked
+            if park:
+                changes["parked_at"] = timezone.now()
+            EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(
+                **changes
+            )
+            ProcessedEvent.objects.using(alias).filter(consumer=name, event_id=event).delete()
     except DatabaseError:
         logger.warning(
             "could not count the failed delivery of event %s for consumer %s",
@@ -859,24 +880,26 @@ def _count_failure(
             name,
             exc_info=True,
         )
-        return None
+        return
+    if park:
+        _parked(delivery, limit, newly=True)
 
 
-def _park_after_failures(delivery: Delivery, limit: int, using: str) -> None:
-    """Park an event whose first deliveries keep failing; the error itself still propagates.
-
-    The next delivery, a first one or not, is then refused before its body runs."""
+def _count_after_commit(
+    event: str, name: str, topic: str, ttl: Any, alias: str
+) -> Delivery | None:
+    """Count a first delivery whose ``on_commit`` callback failed: the event is applied, and
+    its counter is where the admin shows the error. None if the count failed (logged)."""
     try:
-        newly = _park(delivery, using)
+        return count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
     except DatabaseError:
         logger.warning(
-            "could not park event %s for consumer %s",
-            delivery.event_id,
-            delivery.consumer,
+            "could not count the delivery of event %s for consumer %s",
+            event,
+            name,
             exc_info=True,
         )
-        return
-    _parked(delivery, limit, newly)
+        return None
 
 
 def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:

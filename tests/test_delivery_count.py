@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
@@ -228,10 +230,11 @@ def test_a_first_delivery_the_broker_vouches_for_skips_its_count() -> None:
         assert sent[0].startswith(f"SELECT {RESERVE_FUNCTION}(") and sent[0].endswith(", true)")
         assert len(sent) == 2, sent
     else:
-        # A plain read of the counter, the reservation, the effect: no count, no commit of its
+        # The reservation, a plain read of the counter, the effect: no count, no commit of its
         # own.
-        assert sent[0].startswith("SELECT") and delivery_table() in sent[0]
-        assert any(s.startswith(f"INSERT INTO {processed_table()}") for s in sent)
+        assert sent[0].startswith(f"INSERT INTO {processed_table()}")
+        assert sent[1].startswith("SELECT") and delivery_table() in sent[1]
+        assert len(sent) == 3, sent
     assert not any("ON CONFLICT" in s and delivery_table() in s for s in sent)
     assert not EventDelivery.objects.exists()
     assert Effect.objects.count() == 1
@@ -309,6 +312,54 @@ def test_an_on_commit_failure_of_a_first_delivery_is_recorded_on_its_counter() -
     counter = EventDelivery.objects.get()
     assert counter.last_error.startswith("OnCommitFailed: ")
     assert ProcessedEvent.objects.filter(event_id="evt").exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.mysql
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_first_delivery_leaves_no_error_on_a_retry_that_applied_the_event() -> None:
+    """Celery's autoretry publishes the retry before the failed delivery has ended. The retry
+    reserves the event as soon as the failure rolls back, while the failure is still counting
+    itself: the failure must wait for the retry, find the event applied, and record nothing.
+    (Recording it at once, as a count before the reservation would, leaves an error on an
+    applied event that nothing clears.)"""
+    failed_holds, retry_holds, go = threading.Event(), threading.Event(), threading.Event()
+    outcomes: dict[str, Any] = {}
+
+    def failing_body() -> None:
+        failed_holds.set()
+        time.sleep(0.3)  # the retry arrives meanwhile and waits on the reservation
+        raise RuntimeError("first attempt")
+
+    def retry_body() -> str:
+        retry_holds.set()
+        go.wait(10)  # the failure's own bookkeeping runs now, while this one is in flight
+        Effect.objects.create(name="counted")
+        return "applied"
+
+    def deliver_in_thread(name: str, body: Any) -> None:
+        try:
+            outcomes[name] = process_event("ledger", "evt", body, redelivered=False).result
+        except Exception as exc:  # noqa: BLE001 - asserted below
+            outcomes[name] = exc
+        finally:
+            connections.close_all()
+
+    failed = threading.Thread(target=deliver_in_thread, args=("failed", failing_body))
+    failed.start()
+    assert failed_holds.wait(10)
+    retry = threading.Thread(target=deliver_in_thread, args=("retry", retry_body))
+    retry.start()
+    assert retry_holds.wait(10)
+    time.sleep(0.3)  # time for the failure to count itself, were it not waiting
+    go.set()
+    failed.join(10)
+    retry.join(10)
+
+    assert isinstance(outcomes["failed"], RuntimeError)
+    assert outcomes["retry"] == "applied"
+    assert Effect.objects.count() == 1
+    assert not EventDelivery.objects.exclude(last_error="").exists()
 
 
 @pytest.mark.django_db

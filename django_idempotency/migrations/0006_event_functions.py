@@ -8,8 +8,9 @@ transaction calls it, so this holds unchanged behind PgBouncer in transaction po
 
 * ``django_idempotency_reserve_v1``: :func:`~django_idempotency.events.try_reserve`'s insert,
   and, for a delivery the broker marks as its first (``redelivered=False``), the look at the
-  event's delivery counter that the skipped count would have made: a parked event is refused,
-  and the error an earlier failed delivery left is cleared in the same transaction.
+  event's delivery counter that the skipped count would have made: a parked event is refused
+  (the caller rolls the insert back), and the error an earlier failed delivery left is cleared
+  in the same transaction.
 * ``django_idempotency_count_v1``: the delivery count, counted only while the event is not
   processed, optionally committing without waiting on its WAL flush (``ASYNC_DELIVERY_COUNT``).
 
@@ -30,25 +31,27 @@ CREATE OR REPLACE FUNCTION django_idempotency_reserve_v1(
     p_expires_at timestamptz, p_first_delivery boolean
 ) RETURNS text LANGUAGE plpgsql VOLATILE AS $function$
 DECLARE
-    v_parked boolean := false;
-    v_failed boolean := false;
+    v_parked boolean;
+    v_failed boolean;
 BEGIN
-    IF p_first_delivery THEN
-        SELECT d.parked_at IS NOT NULL, d.last_error <> '' INTO v_parked, v_failed
-        FROM {DELIVERIES} AS d WHERE d.consumer = p_consumer AND d.event_id = p_event_id;
-        IF v_parked THEN
-            RETURN 'parked';
-        END IF;
-    END IF;
     INSERT INTO {EVENTS} (consumer, event_id, topic, processed_at, expires_at)
     VALUES (p_consumer, p_event_id, p_topic, p_processed_at, p_expires_at)
     ON CONFLICT (consumer, event_id) DO NOTHING;
     IF NOT FOUND THEN
         RETURN 'processed';
     END IF;
-    IF v_failed THEN
-        UPDATE {DELIVERIES} SET last_error = ''
-        WHERE consumer = p_consumer AND event_id = p_event_id;
+    IF p_first_delivery THEN
+        -- Read after the insert, which waited for any delivery that held the event: a failed
+        -- delivery records its error while holding it (events._fail_first_delivery).
+        SELECT d.parked_at IS NOT NULL, d.last_error <> '' INTO v_parked, v_failed
+        FROM {DELIVERIES} AS d WHERE d.consumer = p_consumer AND d.event_id = p_event_id;
+        IF v_parked THEN
+            RETURN 'parked';  -- the caller rolls the reservation back
+        END IF;
+        IF v_failed THEN
+            UPDATE {DELIVERIES} SET last_error = ''
+            WHERE consumer = p_consumer AND event_id = p_event_id;
+        END IF;
     END IF;
     RETURN 'reserved';
 END
