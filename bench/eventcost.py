@@ -5,7 +5,8 @@ functions whose plans PostgreSQL keeps per session. The SQL text they replaced i
 partitioned layout (and MariaDB, SQLite) sends, so both can run in one process, on one
 connection, taking turns call by call, so that both meet the same load:
 
-* ``reserve + effect``: ``transaction.atomic``, the reservation, one ``Effect`` insert;
+* ``reserve + effect``: ``transaction.atomic``, the reservation, one ``Effect`` insert (the
+  same values, computed the same way, sent as the statement or as the call);
 * ``count``: the guarded delivery count of a new event, in autocommit (a WAL flush each);
 * ``effect alone``: the transaction with the insert only, the ratios' base.
 
@@ -26,15 +27,18 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from bench.micro import _setup
 
 CONSUMER = "bench.eventcost"
+DAY = timedelta(days=1)
 
 
 def build_rows() -> dict[str, Callable[[], Any]]:
     from django.db import connection, transaction
+    from django.utils import timezone
 
     from bench.benchproject.models import Effect
     from django_idempotency import events
@@ -50,17 +54,20 @@ def build_rows() -> dict[str, Callable[[], Any]]:
         with transaction.atomic():
             effect(str(uuid.uuid4()))
 
+    def reservation(event: str) -> dict[str, Any]:
+        now = timezone.now()
+        return {
+            "consumer": CONSUMER,
+            "event_id": event,
+            "topic": "",
+            "processed_at": now,
+            "expires_at": now + DAY,
+        }
+
     def reserve_text() -> None:
         event = str(uuid.uuid4())
         with transaction.atomic():
-            values = events._delivery_values(CONSUMER, event, "", None)
-            row = {
-                "consumer": CONSUMER,
-                "event_id": event,
-                "topic": "",
-                "processed_at": values["first_delivered_at"],
-                "expires_at": values["expires_at"],
-            }
+            row = reservation(event)
             unique = ("consumer", "event_id")
             if events._insert_new(connection, ProcessedEvent, row, unique=unique):
                 effect(event)
@@ -68,7 +75,11 @@ def build_rows() -> dict[str, Callable[[], Any]]:
     def reserve_function() -> None:
         event = str(uuid.uuid4())
         with transaction.atomic():
-            if events.try_reserve(event, CONSUMER):
+            row = reservation(event)
+            state = events._call_reserve(
+                connection, CONSUMER, event, "", row["processed_at"], row["expires_at"]
+            )
+            if state == events.RESERVED:
                 effect(event)
 
     def count_text() -> None:

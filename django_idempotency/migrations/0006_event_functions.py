@@ -1,10 +1,12 @@
 """PostgreSQL only: a consumer's reservation and its delivery count as PL/pgSQL functions.
 
-Sent as SQL text, each statement was parsed and planned again on every event (about 50 µs each,
-and 100 µs per event with the round trip's share, measured in ``bench/``). PL/pgSQL caches the
+Sent as SQL text, each statement was parsed and planned again on every event; for the count's
+long upsert that was about 120 µs of about 600 (``bench/eventcost.py``). PL/pgSQL caches the
 plans of a function's statements for the life of the server session, whichever client
 transaction calls it, so this holds unchanged behind PgBouncer in transaction pooling mode, as
-``0005_claim_function`` does for the HTTP claim.
+``0005_claim_function`` does for the HTTP claim. The reservation's short insert costs the same
+either way; its function exists for a first delivery, whose look at the counter it adds to the
+same call.
 
 * ``django_idempotency_reserve_v1``: :func:`~django_idempotency.events.try_reserve`'s insert,
   and, for a delivery the broker marks as its first (``redelivered=False``), the look at the
