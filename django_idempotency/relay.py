@@ -40,7 +40,8 @@ Waking up
 :meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
 ``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
 and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
-costs one poll interval.
+costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
+(:class:`_Listener`), so a database restart leaves no relay on polling alone.
 """
 
 from __future__ import annotations
@@ -418,31 +419,62 @@ def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
 
 
 class _Listener:
-    """A connection of its own that listens on the outbox channel (PostgreSQL only)."""
+    """A connection of its own that listens on the outbox channel (PostgreSQL only).
 
-    def __init__(self, wrapper: BaseDatabaseWrapper) -> None:
-        self.wrapper = wrapper
-        self.lost = False
+    When that connection is lost (a database restart, a failover, a pooler that closed it), or
+    cannot be opened, the relay polls every ``poll_interval`` meanwhile and listens again
+    ``RETRY_EVERY`` seconds later, for as long as it runs: a lost ``LISTEN`` never leaves a
+    relay on polling alone for good. Listening again wakes the relay once, since a message may
+    have been written while nobody listened.
+    """
+
+    RETRY_EVERY = 5.0
+    """Seconds between two attempts to listen again."""
+
+    def __init__(self, using: str) -> None:
+        self.using = using
+        self.wrapper: BaseDatabaseWrapper | None = None
+        self.retry_at = 0.0
 
     @classmethod
     def open(cls, using: str) -> _Listener | None:
+        """A listener, listening if it can; None where there is nothing to listen to."""
         if connections[using].vendor != "postgresql" or not conf.OUTBOX_NOTIFY:
             return None
-        wrapper = connections.create_connection(using)
+        listener = cls(using)
+        listener._listen()
+        return listener
+
+    @property
+    def listening(self) -> bool:
+        return self.wrapper is not None
+
+    def _listen(self) -> bool:
+        wrapper = connections.create_connection(self.using)
         try:
             wrapper.ensure_connection()
             wrapper.set_autocommit(True)
             with wrapper.cursor() as cursor:
                 cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
         except DatabaseError:
-            logger.exception("outbox relay: cannot LISTEN; polling only")
+            logger.warning(
+                "outbox relay: cannot LISTEN; polling meanwhile, trying again in %.0f s",
+                self.RETRY_EVERY,
+                exc_info=True,
+            )
             wrapper.close()
-            return None
-        return cls(wrapper)
+            self.retry_at = time.monotonic() + self.RETRY_EVERY
+            return False
+        self.wrapper = wrapper
+        return True
 
     def wait(self, seconds: float) -> bool:
-        """True if a notification arrived within ``seconds`` (pending ones are drained too)."""
-        if self.lost:
+        """True if a notification arrived within ``seconds`` (pending ones are drained too),
+        or if the relay should look now because it has just listened again."""
+        if self.wrapper is None:
+            if time.monotonic() >= self.retry_at and self._listen():
+                logger.info("outbox relay: listening again on %s", NOTIFY_CHANNEL)
+                return True
             time.sleep(seconds)
             return False
         raw: Any = self.wrapper.connection
@@ -452,11 +484,18 @@ class _Listener:
                 for _ in raw.notifies(timeout=0.0):
                     pass
         except Exception:
-            logger.exception("outbox relay: LISTEN connection lost; polling only from now on")
-            self.lost = True
+            logger.warning(
+                "outbox relay: LISTEN connection lost; polling meanwhile, listening again in "
+                "%.0f s",
+                self.RETRY_EVERY,
+                exc_info=True,
+            )
             self.close()
-            return False
+            self.retry_at = time.monotonic() + self.RETRY_EVERY
+            return True  # a notification may have been lost with the connection: look now
         return woke
 
     def close(self) -> None:
-        self.wrapper.close()
+        if self.wrapper is not None:
+            self.wrapper.close()
+            self.wrapper = None

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -472,3 +474,79 @@ def test_the_relay_command_refuses_options_out_of_range(option: str, value: str)
 
     with pytest.raises(CommandError, match=option.lstrip("-").split("-")[0]):
         call_command("idempotency_relay", "--once", option, value)
+
+
+# --- Waking up: LISTEN/NOTIFY (PostgreSQL) ------------------------------------------------------
+
+
+@contextmanager
+def serving(relay: Relay) -> Iterator[threading.Thread]:
+    """``relay.serve()`` with a poll interval far longer than any wait below: within them, only
+    a notification (or listening again) can wake it."""
+    thread = threading.Thread(target=lambda: (relay.serve(poll_interval=60.0), close_conns()))
+    thread.start()
+    try:
+        yield thread
+    finally:
+        relay.stop()
+        thread.join(15)
+        assert not thread.is_alive()
+
+
+def close_conns() -> None:
+    from django.db import connections
+
+    connections.close_all()
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def listener_pids() -> list[int]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pid FROM pg_stat_activity WHERE query = %s AND pid <> pg_backend_pid()",
+            [f"LISTEN {outbox.NOTIFY_CHANNEL}"],
+        )
+        return [row[0] for row in cursor.fetchall()]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_notification_wakes_an_idle_relay() -> None:
+    transport = RecordingTransport()
+    with serving(relay(transport)):
+        assert wait_for(lambda: bool(listener_pids()))
+        write("woken")
+        assert wait_for(lambda: transport.sent == ["woken"]), "no NOTIFY woke the relay"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_relay_listens_again_after_its_connection_is_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A database restart or a failover drops the LISTEN connection: the relay must listen
+    again, not fall back to polling for the rest of its life."""
+    from django.db import connection
+
+    from django_idempotency.relay import _Listener
+
+    monkeypatch.setattr(_Listener, "RETRY_EVERY", 0.2)
+    transport = RecordingTransport()
+    with serving(relay(transport)):
+        assert wait_for(lambda: bool(listener_pids()))
+        (lost,) = listener_pids()
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(%s)", [lost])
+        assert wait_for(lambda: listener_pids() not in ([], [lost]))
+        write("after the loss")
+        assert wait_for(lambda: transport.sent == ["after the loss"]), "polling only"
