@@ -747,9 +747,10 @@ def process_event(
       ``redelivered`` flag, which RabbitMQ sets on every message it delivers again). Step 1 is
       skipped: its commit is what makes a first delivery cost twice the effect alone. Nothing
       is lost by it: if this delivery dies with its process, the broker's next delivery says
-      ``redelivered=True`` and counts for both. Step 2 still refuses a parked event, and a
-      delivery that fails counts itself after its rollback (then parks the event once it has
-      failed more than ``max_deliveries`` times, so a loop of retries ends).
+      ``redelivered=True`` and counts for both. Step 2 still refuses (and counts) a parked
+      event, and a delivery that fails counts itself after its rollback, then parks the event
+      once it has failed ``max_deliveries`` times, so its body runs at most that often and a
+      loop of retries ends.
     * ``True``: the message may have been delivered before. It is counted as in step 1, and a
       counter that does not exist yet starts at 2, for the uncounted first delivery.
 
@@ -802,8 +803,9 @@ def process_event(
                 if delivery is not None and delivery.count > 1:
                     _clear_error(delivery, alias)
     except _ParkInstead:
-        if delivery is None:  # a first delivery found the event parked
-            _reject_parked(event, name, topic_value, None)
+        if delivery is None:  # a first delivery found the event parked: counted, refused
+            counted = _count_skipped(event, name, topic_value, ttl, alias)
+            _reject_parked(event, name, topic_value, None if counted is None else counted.count)
         _park_and_raise(delivery, limit, alias)
     except BaseException as exc:
         if isinstance(exc, Exception):
@@ -811,7 +813,7 @@ def process_event(
                 # Its count was skipped: the failure counts itself, after the rollback.
                 _fail_first_delivery(event, name, topic_value, ttl, alias, exc, limit)
             elif first:
-                delivery = _count_after_commit(event, name, topic_value, ttl, alias)
+                delivery = _count_skipped(event, name, topic_value, ttl, alias)
             if committed:
                 _after_commit_failed(event, name, delivery, exc, alias)
             if delivery is not None and not first:
@@ -856,7 +858,9 @@ def _fail_first_delivery(
     * a delivery that comes meanwhile waits for this transaction, then reads the counter as it
       left it: it clears the error if it succeeds, and it is refused if the event got parked.
 
-    The event is parked in the same transaction once it has failed more than ``limit`` times.
+    The event is parked in the same transaction once it has failed ``limit`` times, so its
+    body runs at most ``limit`` times, as when every delivery is counted before it runs (there,
+    delivery ``limit + 1`` is parked without running).
     A database error here is logged and never hides the body's own error, which propagates.
     """
     text = f"{type(error).__name__}: {error}"[:2000]
@@ -866,7 +870,7 @@ def _fail_first_delivery(
                 return  # applied meanwhile: this error is stale
             delivery = count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
             changes: dict[str, Any] = {"last_error": text}
-            park = delivery.count > limit and not delivery.parked
+            park = delivery.count >= limit and not delivery.parked
             if park:
                 changes["parked_at"] = timezone.now()
             EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(
@@ -885,11 +889,10 @@ def _fail_first_delivery(
         _parked(delivery, limit, newly=True)
 
 
-def _count_after_commit(
-    event: str, name: str, topic: str, ttl: Any, alias: str
-) -> Delivery | None:
-    """Count a first delivery whose ``on_commit`` callback failed: the event is applied, and
-    its counter is where the admin shows the error. None if the count failed (logged)."""
+def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> Delivery | None:
+    """Count a first delivery after all: one whose ``on_commit`` callback failed (the event is
+    applied, and its counter is where the admin shows the error), or one that found the event
+    parked (every delivery of a parked event is counted). None if the count failed (logged)."""
     try:
         return count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
     except DatabaseError:

@@ -285,19 +285,29 @@ def test_first_deliveries_that_keep_failing_park_the_event() -> None:
     def receiver(**kwargs: Any) -> None:
         parked.append({k: v for k, v in kwargs.items() if k != "signal"})
 
+    ran: list[bool] = []
+
+    def failing() -> None:
+        ran.append(True)
+        fail()
+
     event_parked.connect(receiver)
     try:
-        for _ in range(3):
+        for _ in range(2):
             with pytest.raises(RuntimeError):
-                process_event("ledger", "evt", fail, max_deliveries=2, redelivered=False)
+                process_event("ledger", "evt", failing, max_deliveries=2, redelivered=False)
     finally:
         event_parked.disconnect(receiver)
     counter = EventDelivery.objects.get()
-    assert counter.deliveries == 3 and counter.parked_at is not None
-    assert parked == [{"sender": "ledger", "event_id": "evt", "topic": "", "deliveries": 3}]
+    assert counter.deliveries == 2 and counter.parked_at is not None
+    assert parked == [{"sender": "ledger", "event_id": "evt", "topic": "", "deliveries": 2}]
 
-    with pytest.raises(EventParked):
-        process_event("ledger", "evt", apply_effect, max_deliveries=2, redelivered=False)
+    # As with a count before each delivery: the body ran max_deliveries times, and the next
+    # delivery is refused before it runs, and counted.
+    with pytest.raises(EventParked, match=r"is parked \(3 deliveries\)"):
+        process_event("ledger", "evt", failing, max_deliveries=2, redelivered=False)
+    assert ran == [True, True]
+    assert EventDelivery.objects.get().deliveries == 3
     assert not Effect.objects.exists()
 
 
