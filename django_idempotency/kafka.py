@@ -7,7 +7,9 @@ Install the extra: ``pip install 'django-idempotency[kafka]'``. See ``docs/kafka
 
 1. finds the event id (a header by default, or a field of the JSON value);
 2. runs the handler in ``transaction.atomic`` together with the processed-event reservation,
-   after counting the delivery (the core does both, and skips a duplicate);
+   after counting the delivery (the core does both, and skips a duplicate). Once a partition
+   has applied a message, its later messages are first deliveries, which skip the count (see
+   :meth:`ConsumerRunner.process`);
 3. commits the message's offset synchronously, only once that transaction has committed (at
    once by default; every ``COMMIT_INTERVAL`` seconds if set, and always before its partitions
    are revoked and before it stops).
@@ -157,6 +159,9 @@ class ConsumerRunner:
         self._producer: Producer | None = None
         self._done: dict[tuple[str, int], int] = {}
         """Offsets to commit: processed, not committed yet, by (topic, partition)."""
+        self._settled: set[tuple[str, int]] = set()
+        """Partitions that have applied a message since they were assigned here: no earlier
+        owner ever saw their later messages, so those are first deliveries (see process())."""
         self._committed_at = time.monotonic()
 
     # The loop
@@ -230,12 +235,24 @@ class ConsumerRunner:
             self._consumer.seek(TopicPartition(topic, partition, offset))
             self._stopping.wait(self.settings.retry_delay)
         else:
+            if outcome is Outcome.APPLIED:
+                self._settled.add((topic, partition))
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
 
     def process(self, message: Message) -> Outcome:
-        """Run the handler once per event id, or dead-letter the message; never commits."""
+        """Run the handler once per event id, or dead-letter the message; never commits.
+
+        A message of a partition that has applied a message since it was assigned here is a
+        first delivery (``redelivered=False``), which skips its delivery count. An owner of a
+        partition takes its messages one at a time, in order, and moves past one only once it
+        is applied, skipped as a duplicate or dead-lettered. So when this owner applies a
+        message (it was neither applied nor dead-lettered before), no earlier owner got past
+        it, and none ever saw a later message. Until then every message is counted: the one an
+        earlier owner died in is among them, and a message that kills every owner is always
+        the first one its next owner meets, so it is counted on each of them and parked.
+        """
         settings = self.settings
         try:
             event_id = event_id_of(message, settings)
@@ -255,6 +272,7 @@ class ConsumerRunner:
                 lambda: self.handler(message),
                 topic=message.topic(),
                 max_deliveries=settings.max_deliveries,
+                redelivered=False if _position(message)[:2] in self._settled else None,
             )
         except EventParked:
             try:
@@ -308,13 +326,16 @@ class ConsumerRunner:
             )
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._unsettle(partitions)
         logger.info("consumer %s assigned %s", self.settings.name, _partitions(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit(partitions)
+        self._unsettle(partitions)
         logger.info("consumer %s revoked %s", self.settings.name, _partitions(partitions))
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._unsettle(partitions)
         for partition in partitions:
             self._done.pop((partition.topic, partition.partition), None)
         logger.warning(
@@ -323,6 +344,10 @@ class ConsumerRunner:
             self.settings.name,
             _partitions(partitions),
         )
+
+    def _unsettle(self, partitions: list[TopicPartition]) -> None:
+        for partition in partitions:
+            self._settled.discard((partition.topic, partition.partition))
 
     def _on_error(self, error: KafkaError) -> None:
         if error.code() == KafkaError._PARTITION_EOF:

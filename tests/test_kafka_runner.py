@@ -205,6 +205,43 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
     assert consumer.terminate() == 0
 
 
+def test_after_an_applied_message_a_partition_skips_counts_yet_a_killer_is_parked(
+    kafka_cluster: Cluster, consumers: Any
+) -> None:
+    """Messages after a partition's first applied one are first deliveries: no count. A message
+    there that kills its consumer is the first message its next owner meets, so from then on it
+    is counted on every delivery and parked (one death later than a killer met first)."""
+    before, after = events(2), events(2)
+    [killer] = events(1, behaviour="die")
+    kafka_cluster.produce(
+        consumers.topic, [*before, killer, *after], key=lambda e: "one-partition"
+    )
+    deaths = 0
+    while deaths < 6:
+        consumer = consumers()
+        for _ in range(600):
+            if consumer.process.poll() is not None or len(effects()) == 4:
+                break
+            threading.Event().wait(0.1)
+        if consumer.process.poll() is None:
+            break
+        assert consumer.process.returncode == -9, consumer.output()
+        deaths += 1
+    # The first death was a first delivery, not counted; then three counted ones (MAX_DELIVERIES
+    # =3), and the fifth consumer parks it.
+    assert deaths == 4
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
+
+    assert effects() == Counter({e["event_id"]: 1 for e in [*before, *after]})
+    [dead] = kafka_cluster.read(f"{consumers.topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    counted = dict(EventDelivery.objects.values_list("event_id", "deliveries"))
+    # The first message of the first consumer, the killer, and the first message its last
+    # owner met after dead-lettering it; every other one skipped its count.
+    assert counted == {before[0]["event_id"]: 1, killer["event_id"]: 4, after[0]["event_id"]: 1}
+    assert consumer.terminate() == 0
+
+
 def test_two_consumers_through_rebalances_apply_each_event_once(
     kafka_cluster: Cluster, consumers: Any
 ) -> None:
