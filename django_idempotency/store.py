@@ -20,7 +20,10 @@ MariaDB / MySQL
     the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
     one fails with 1062 (duplicate key), and a locking read (``LOCK IN SHARE MODE``, which sees
     the latest committed row even under ``REPEATABLE READ``) fetches it. Both errors only undo
-    the statement, not the transaction.
+    the statement, not the transaction. Taking over a stale record is the one statement that
+    waits (up to ``TAKEOVER_LOCK_WAIT`` seconds): concurrent contenders all hold a shared lock
+    on the record, so without waiting none of them could ever take it over; waiting, they
+    deadlock, InnoDB rolls victims back at once, and one of them wins.
 SQLite
     ``INSERT ... ON CONFLICT DO NOTHING``. SQLite has one writer at a time, so a duplicate waits
     for the database lock (the connection's ``timeout``) and then sees the committed row; if
@@ -63,6 +66,8 @@ COMPLETED = IdempotencyRecord.State.COMPLETED.value
 ER_DUP_ENTRY = 1062
 ER_LOCK_WAIT_TIMEOUT = 1205
 ER_LOCK_DEADLOCK = 1213
+TAKEOVER_LOCK_WAIT = 1
+"""MariaDB: seconds a takeover waits for the record's lock (see :func:`_statements`)."""
 
 COLUMNS = (
     "id",
@@ -402,8 +407,17 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
     if vendor == "mysql":
         # A locking read sees the latest committed row even under REPEATABLE READ.
         select += " LOCK IN SHARE MODE"
+    # The takeover does wait, briefly: every contender for one stale record holds a shared
+    # lock on it (its failed insert and its locking read took one), so none could ever take the
+    # exclusive lock without waiting. Waiting, they form a deadlock, which InnoDB breaks at
+    # once by rolling victims back (1213): the last one standing takes the record over.
+    briefly = (
+        f"SET STATEMENT innodb_lock_wait_timeout={TAKEOVER_LOCK_WAIT} FOR "
+        if vendor == "mysql"
+        else ""
+    )
     take_over = (
-        f"{nowait}UPDATE {t} SET fingerprint = %s, method = %s, path = %s, "
+        f"{briefly}UPDATE {t} SET fingerprint = %s, method = %s, path = %s, "
         f"state = '{IN_PROGRESS}', token = %s, locked_until = {later}, response_status = NULL, "
         f"response_headers = '{{}}', response_body = NULL, created_at = {now}, "
         f"completed_at = NULL, expires_at = {later} WHERE id = %s AND token = %s"
