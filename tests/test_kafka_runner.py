@@ -177,23 +177,29 @@ def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
     assert {"6 applied", "2 dead-lettered", "5 retry"} <= set(stopped.strip().split(", "))
 
 
+def until_one_survives(consumers: Any, applied: int, most: int = 6) -> tuple[int, Any]:
+    """Start consumers one after another until one is still running once ``applied`` effects
+    exist; every one before it must have died of SIGKILL. Returns the deaths and the survivor."""
+    for deaths in range(most):
+        consumer = consumers()
+        for _ in range(600):
+            if consumer.process.poll() is not None or len(effects()) >= applied:
+                break
+            threading.Event().wait(0.1)
+        if consumer.process.poll() is None:
+            return deaths, consumer
+        assert consumer.process.returncode == -9, consumer.output()
+    raise AssertionError(f"{most} consumers died one after another")
+
+
 def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
     kafka_cluster: Cluster, consumers: Any
 ) -> None:
     [killer] = events(1, behaviour="die")
     healthy = events(3)
     kafka_cluster.produce(consumers.topic, [killer, *healthy], key=lambda e: "one-partition")
-    deaths = 0
-    while deaths < 5:  # MAX_DELIVERIES=3: three deaths, then the 4th delivery parks it
-        consumer = consumers()
-        for _ in range(600):
-            if consumer.process.poll() is not None or effects():
-                break
-            threading.Event().wait(0.1)
-        if consumer.process.poll() is None:
-            break
-        assert consumer.process.returncode == -9, consumer.output()
-        deaths += 1
+    # MAX_DELIVERIES=3: three deaths, then the 4th delivery parks it.
+    deaths, consumer = until_one_survives(consumers, applied=1)
     assert deaths == 3
     kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
 
@@ -216,17 +222,7 @@ def test_after_an_applied_message_a_partition_skips_counts_yet_a_killer_is_parke
     kafka_cluster.produce(
         consumers.topic, [*before, killer, *after], key=lambda e: "one-partition"
     )
-    deaths = 0
-    while deaths < 6:
-        consumer = consumers()
-        for _ in range(600):
-            if consumer.process.poll() is not None or len(effects()) == 4:
-                break
-            threading.Event().wait(0.1)
-        if consumer.process.poll() is None:
-            break
-        assert consumer.process.returncode == -9, consumer.output()
-        deaths += 1
+    deaths, consumer = until_one_survives(consumers, applied=4)
     # The first death was a first delivery, not counted; then three counted ones (MAX_DELIVERIES
     # =3), and the fifth consumer parks it.
     assert deaths == 4
