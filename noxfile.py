@@ -373,8 +373,8 @@ def lanes(sessions: list[str], jobs: int) -> list[list[str]]:
             return 2 if name == "lowest" else 1
         backends, slow = PLAN[(match.group(1), match.group(2))]
         slow = slow and os.environ.get("QUICK") != "1"
-        # A slow pass takes about ten times a quick one.
-        return sum(10 if slow and backend in SLOW_ON else 1 for backend in backends)
+        # A slow pass takes about eight times a quick one (its session's set-up included).
+        return sum(8 if slow and backend in SLOW_ON else 1 for backend in backends)
 
     shares: list[list[str]] = [[] for _ in range(max(1, jobs))]
     loads = [0] * len(shares)

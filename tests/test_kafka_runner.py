@@ -195,28 +195,11 @@ def until_one_survives(consumers: Any, applied: int, most: int = 6) -> tuple[int
 def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
     kafka_cluster: Cluster, consumers: Any
 ) -> None:
-    [killer] = events(1, behaviour="die")
-    healthy = events(3)
-    kafka_cluster.produce(consumers.topic, [killer, *healthy], key=lambda e: "one-partition")
-    # MAX_DELIVERIES=3: three deaths, then the 4th delivery parks it.
-    deaths, consumer = until_one_survives(consumers, applied=1)
-    assert deaths == 3
-    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
-
-    assert effects() == Counter({e["event_id"]: 1 for e in healthy})
-    [dead] = kafka_cluster.read(f"{consumers.topic}.dlq", 1)
-    headers = dict(dead.headers() or [])
-    assert headers["event_id"] == killer["event_id"].encode()
-    assert headers["dlq.deliveries"] == b"4"
-    assert consumer.terminate() == 0
-
-
-def test_after_an_applied_message_a_partition_skips_counts_yet_a_killer_is_parked(
-    kafka_cluster: Cluster, consumers: Any
-) -> None:
-    """Messages after a partition's first applied one are first deliveries: no count. A message
-    there that kills its consumer is the first message its next owner meets, so from then on it
-    is counted on every delivery and parked (one death later than a killer met first)."""
+    """A message that kills every consumer ends in the dead-letter topic, and the messages
+    behind it are applied. It sits after applied messages, whose partition skips the count of
+    later messages (first deliveries): its first death is not counted, but it is then the first
+    message every next owner meets, so it is counted on each of them, and parked one death
+    later than a killer that is the first message a consumer meets."""
     before, after = events(2), events(2)
     [killer] = events(1, behaviour="die")
     kafka_cluster.produce(
