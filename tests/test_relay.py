@@ -513,7 +513,8 @@ def listener_pids() -> list[int]:
 
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT pid FROM pg_stat_activity WHERE query = %s AND pid <> pg_backend_pid()",
+            "SELECT pid FROM pg_stat_activity WHERE query = %s AND pid <> pg_backend_pid() "
+            "AND datname = current_database()",  # other test runs listen on their databases
             [f"LISTEN {outbox.NOTIFY_CHANNEL}"],
         )
         return [row[0] for row in cursor.fetchall()]
