@@ -321,14 +321,14 @@ class Idempotency:
         policy = self.policy
         release_after = False
         try:
-            if captured.status >= 500:
-                outcome = "rolled_back" if policy.rollback_on_server_error else "released"
-                if policy.rollback_on_server_error:
-                    transaction.set_rollback(True, using=policy.using)
-                    release_after = policy.lease is not None
-                else:
-                    self.store.release(claim.record_id, claim.token)
-            elif captured.status in policy.unstored_statuses:
+            # A view that marked its block for rollback (transaction.set_rollback) without
+            # raising gets the same as a server error: nothing of it commits, and the key is free.
+            marked = transaction.get_rollback(using=policy.using)
+            if marked or (captured.status >= 500 and policy.rollback_on_server_error):
+                outcome = "rolled_back"
+                transaction.set_rollback(True, using=policy.using)
+                release_after = policy.lease is not None
+            elif captured.status >= 500 or captured.status in policy.unstored_statuses:
                 outcome = "released"
                 self.store.release(claim.record_id, claim.token)
             else:
@@ -342,6 +342,7 @@ class Idempotency:
                     status=captured.status,
                     headers=headers,
                     body=captured.body,
+                    commit=True,  # leaving claim.atomic, next, commits
                 )
         except StaleClaim:
             transaction.set_rollback(True, using=policy.using)

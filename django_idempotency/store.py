@@ -286,18 +286,38 @@ class RecordStore:
         status: int,
         headers: dict[str, str],
         body: bytes | None,
+        commit: bool = False,
     ) -> None:
-        """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record."""
-        sql = _statements(self.connection).complete
-        params: list[Any] = [status, json.dumps(headers), body, record_id, self._token(token)]
-        with self.connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            updated = cursor.rowcount
-        if updated != 1:
-            raise StaleClaim(
-                f"Record {record_id} is no longer held by token {token}: its lease ran out and "
-                "another request took it over, so this response was not stored."
-            )
+        """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record.
+
+        ``commit=True`` says that the caller commits right after, by leaving its outermost
+        ``transaction.atomic``. On PostgreSQL through psycopg 3's default client-side binding
+        cursor, the ``COMMIT`` then travels with the statement, and Django's own commit finds
+        nothing left to do: one round trip less. The function raises on a lost claim, which
+        aborts the transaction before that ``COMMIT`` runs. Anywhere else (nested in another
+        atomic block, marked for rollback, another driver or backend), it is a plain statement.
+        """
+        connection = self.connection
+        with connection.cursor() as cursor:
+            if connection.vendor != "postgresql":
+                params: list[Any] = [status, json.dumps(headers), body, record_id, token.hex]
+                cursor.execute(_statements(connection).complete, params)
+                if cursor.rowcount == 1:
+                    return
+            else:
+                sql = COMPLETE_POSTGRESQL
+                if commit and _commit_travels(connection, cursor):
+                    sql += "; COMMIT"
+                try:
+                    cursor.execute(sql, [record_id, token, status, json.dumps(headers), body])
+                    return
+                except DatabaseError as exc:
+                    if _sqlstate(exc) != NO_DATA_FOUND:
+                        raise
+        raise StaleClaim(
+            f"Record {record_id} is no longer held by token {token}: its lease ran out and "
+            "another request took it over, so this response was not stored."
+        )
 
     def release(self, record_id: int, token: uuid.UUID) -> None:
         """Delete an unfinished record so a retry executes afresh; checks ``token`` likewise."""
@@ -336,6 +356,41 @@ class RecordStore:
 CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
 """The claim on PostgreSQL: a call of the function that migration ``0005_claim_function``
 creates. A short statement to parse, and the function's own plan is cached per session."""
+
+
+COMPLETE_POSTGRESQL = "SELECT django_idempotency_complete_v1(%s, %s, %s, %s::jsonb, %s)"
+"""Storing a response on PostgreSQL: a call of the function that migration
+``0007_complete_function`` creates. It raises ``NO_DATA_FOUND`` when the token no longer owns
+the record."""
+NO_DATA_FOUND = "P0002"
+
+
+def _commit_travels(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
+    """Whether a ``COMMIT`` may ride along with the next statement on ``cursor``.
+
+    Only when leaving the current atomic block will commit: it is the only one open, it entered
+    with autocommit on, and nothing marked it for rollback. And only with psycopg 3's
+    client-side binding cursor (Django's default), which sends a statement without parameters
+    left in it through the simple query protocol, where several statements may go together.
+    psycopg then sees the transaction already ended, so Django's commit sends nothing.
+    """
+    if not (
+        connection.in_atomic_block
+        and len(connection.atomic_blocks) == 1
+        and connection.commit_on_exit
+        and not connection.needs_rollback
+    ):
+        return False
+    try:
+        from psycopg import ClientCursor
+    except ImportError:  # psycopg2: it would send its own COMMIT anyway
+        return False
+    return isinstance(cursor.cursor, ClientCursor)
+
+
+def _sqlstate(exc: DatabaseError) -> str | None:
+    cause = exc.__cause__
+    return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
 
 
 @dataclass(frozen=True)

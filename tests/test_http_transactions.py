@@ -58,6 +58,22 @@ def assert_claim(sql: str) -> None:
         assert TABLE in sql, sql
 
 
+def is_psycopg3() -> bool:
+    return connection.vendor == "postgresql" and connection.Database.__name__ == "psycopg"
+
+
+def assert_store(sql: str, *, commit: bool) -> None:
+    """Storing the response: on PostgreSQL a call of the function from migration 0007, with the
+    ``COMMIT`` in the same round trip when leaving the decorator's block commits (psycopg 3);
+    elsewhere an UPDATE of the records table."""
+    if connection.vendor != "postgresql":
+        assert sql.startswith("UPDATE") and TABLE in sql, sql
+        return
+    assert sql.startswith("SELECT django_idempotency_complete_v1("), sql
+    assert TABLE not in sql
+    assert sql.endswith("; COMMIT") == (commit and is_psycopg3()), sql
+
+
 @pytest.mark.django_db(transaction=True)
 def test_statements_added_by_a_first_execution_and_a_replay(client: Client) -> None:
     bare = captured(lambda: post(client, "/probe/mw/effect/", "bare"))
@@ -72,7 +88,8 @@ def test_statements_added_by_a_first_execution_and_a_replay(client: Client) -> N
     added = statements(first)[:1] + statements(first)[2:]
     assert len(statements(first)) == 3, first
     assert_claim(added[0])
-    assert added[1].startswith("UPDATE") and TABLE in added[1]
+    assert_store(added[1], commit=True)
+    # Django still logs its COMMIT; on psycopg 3 the driver finds nothing left to send.
     assert boundaries(first) == ["BEGIN", "COMMIT"]
     # A replay is one statement on PostgreSQL (the claim finds the completed row and takes no
     # lock), two elsewhere (the insert that meets the duplicate, then the read).
@@ -90,8 +107,10 @@ def test_statements_added_by_a_first_execution_and_a_replay(client: Client) -> N
 def test_statements_with_atomic_requests(client: Client, atomic_requests: None) -> None:
     first = captured(lambda: post(client, URL, "k"))
     replay = captured(lambda: post(client, URL, "k"))
-    # Inside the request's transaction the decorator's block is a savepoint.
+    # Inside the request's transaction the decorator's block is a savepoint, so the store
+    # never carries a COMMIT.
     assert len(statements(first)) == 3
+    assert_store(statements(first)[2], commit=False)
     assert boundaries(first) == ["BEGIN", "SAVEPOINT", "RELEASE", "COMMIT"]
     assert len(statements(replay)) == (1 if connection.vendor == "postgresql" else 2)
     print(
@@ -99,6 +118,75 @@ def test_statements_with_atomic_requests(client: Client, atomic_requests: None) 
         f"{len(statements(first)) - 1} statements + {boundaries(first)}; replay "
         f"{len(statements(replay))} statements + {boundaries(replay)}"
     )
+
+
+# -- the COMMIT that travels with the store (PostgreSQL, psycopg 3) ---------------------------
+
+
+def run_view(key: str, view: Callable[[], str]) -> str | Replay:
+    policy = Policy(using=connection.alias)
+    return Idempotency(policy).run(
+        command(key), view, lambda result: Captured(201, {}, result.encode())
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_view_that_marks_its_transaction_for_rollback_commits_nothing() -> None:
+    """``set_rollback(True)`` without raising: Django rolls the block back on exit. The client
+    gets the view's answer, nothing is stored (the store would have raised
+    TransactionManagementError, a 500), and nothing committed on the way."""
+    from django.db import transaction
+
+    def view() -> str:
+        Effect.objects.create(name="marked", payload="x")
+        transaction.set_rollback(True)
+        return "rolled back"
+
+    with CaptureQueriesContext(connection) as queries:
+        assert run_view("marked", view) == "rolled back"
+    assert effects("marked") == 0
+    assert not IdempotencyRecord.objects.filter(key="marked").exists()
+    assert not any("; COMMIT" in str(query["sql"]) for query in queries.captured_queries)
+    # The key is free: a retry runs the view again.
+    assert run_view("marked", lambda: "again") == "again"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_commit_callbacks_run_once_after_the_commit() -> None:
+    from django.db import transaction
+
+    seen: list[tuple[int, bool]] = []
+
+    def view() -> str:
+        Effect.objects.create(name="hooked", payload="x")
+        transaction.on_commit(lambda: seen.append((effects("hooked"), connection.in_atomic_block)))
+        return "hooked"
+
+    assert run_view("hooked", view) == "hooked"
+    # Once, outside any transaction, and the effect is committed by then.
+    assert seen == [(1, False)]
+    assert isinstance(run_view("hooked", view), Replay)
+    assert seen == [(1, False)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_store_that_finds_its_claim_lost_commits_nothing() -> None:
+    """The store's function raises on a lost claim, before the COMMIT that travels with it: the
+    view's writes roll back and the client gets a 409. The claim is lost here by changing the
+    record's token while the view runs, as a takeover by a retry would."""
+
+    def view() -> str:
+        Effect.objects.create(name="lost", payload="x")
+        IdempotencyRecord.objects.filter(key="lost").update(token=uuid.uuid4())
+        return "lost"
+
+    with CaptureQueriesContext(connection) as queries, pytest.raises(RequestInProgress):
+        run_view("lost", view)
+    sent = [str(query["sql"]) for query in queries.captured_queries]
+    assert any(sql.endswith("; COMMIT") for sql in sent) == is_psycopg3(), sent
+    assert effects("lost") == 0
+    assert not IdempotencyRecord.objects.filter(key="lost").exists()
+    assert not connection.in_atomic_block
 
 
 # -- ATOMIC_REQUESTS and the view's own atomic blocks ----------------------------------------
