@@ -2,8 +2,10 @@
 
 On a busy machine whole-request figures move with the load; this alternates the two versions'
 ``claim`` + ``complete`` (a first execution's SQL, without the view) and ``claim`` of a completed
-key (a replay) call by call on one PostgreSQL connection, so both meet the same load. Each first
-execution runs in a transaction that is rolled back (no WAL flush to wait for, no rows left).
+key (a replay) call by call on one PostgreSQL connection, so both meet the same load. A first
+execution runs in a transaction that is rolled back (no WAL flush to wait for, no rows left);
+the "committed" row commits it, WAL flush included, so that a version that sends the ``COMMIT``
+with the store shows it.
 It reports wall time, and CPU time of this process plus the PostgreSQL backend, per call::
 
     git show 3303a9f:django_idempotency/store.py > /tmp/store_before.py
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import statistics
 import sys
@@ -82,6 +85,31 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
             )
             transaction.set_rollback(True)
 
+    def committed(store: Any) -> None:
+        """A first execution that commits: the store is the block's last statement, so a
+        version that can send the COMMIT with it (``complete(commit=True)``) does."""
+        token = uuid.uuid4()
+        travels = "commit" in inspect.signature(store.complete).parameters
+        with transaction.atomic():
+            result = store.claim(
+                owner="cost",
+                key=str(uuid.uuid4()),
+                fingerprint="f" * 64,
+                method="POST",
+                path="/x/",
+                token=token,
+                ttl=day,
+                lease=None,
+            )
+            store.complete(
+                result.record_id,
+                token,
+                status=201,
+                headers={"Content-Type": "application/json"},
+                body=b'{"id": 1}',
+                **({"commit": True} if travels else {}),
+            )
+
     replay_key = f"cost-replay-{uuid.uuid4()}"
     token = uuid.uuid4()
     with transaction.atomic():
@@ -101,7 +129,11 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
         with transaction.atomic():
             claim(store, replay_key)
 
-    paths = {"first execution (claim + store)": first, "replay (claim)": replay}
+    paths = {
+        "first execution (claim + store)": first,
+        "first execution, committed (claim + store + COMMIT)": committed,
+        "replay (claim)": replay,
+    }
     samples: dict[str, dict[str, list[float]]] = {
         f"{path} {version}": {"wall": [], "cpu": []} for path in paths for version in stores
     }

@@ -170,6 +170,31 @@ def test_on_commit_callbacks_run_once_after_the_commit() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_with_server_side_binding_the_commit_goes_on_its_own() -> None:
+    """Django's ``OPTIONS = {"server_side_binding": True}`` makes psycopg bind on the server
+    (``psycopg.Cursor``), where one statement cannot carry another: the store is then sent alone
+    and Django's commit follows, as before."""
+    if not is_psycopg3():
+        pytest.skip("psycopg 3 on PostgreSQL only")
+    import psycopg
+
+    connection.ensure_connection()
+    raw = connection.connection
+    client_binding = raw.cursor_factory
+    raw.cursor_factory = psycopg.Cursor  # what server_side_binding=True sets
+    try:
+        with CaptureQueriesContext(connection) as queries:
+            assert run_view("bound", lambda: "bound") == "bound"
+        assert isinstance(run_view("bound", lambda: "again"), Replay)
+    finally:
+        raw.cursor_factory = client_binding
+    sent = [str(query["sql"]) for query in queries.captured_queries]
+    stores = [sql for sql in sent if "complete_v1" in sql]
+    assert len(stores) == 1 and not stores[0].endswith("; COMMIT"), sent
+    assert sent[-1] == "COMMIT"
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_store_that_finds_its_claim_lost_commits_nothing() -> None:
     """The store's function raises on a lost claim, before the COMMIT that travels with it: the
     view's writes roll back and the client gets a 409. The claim is lost here by changing the
