@@ -30,7 +30,10 @@ SQLite
     the timeout runs out first, ``database is locked`` is answered as "in progress".
 
 Storing the response and releasing a record are hand-written statements, built once per backend
-(:func:`_statements`), not ORM queries compiled on every request.
+(:func:`_statements`), not ORM queries compiled on every request. On PostgreSQL the response is
+stored by the PL/pgSQL function ``django_idempotency_complete_v1`` (migration
+``0007_complete_function``), and the ``COMMIT`` that follows can travel in the same query
+(:meth:`RecordStore.complete`).
 
 Every time comparison uses the database clock (``STATEMENT_TIMESTAMP()``,
 ``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry
@@ -45,6 +48,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cache
 from typing import Any
 
 from django.db import (
@@ -381,11 +385,19 @@ def _commit_travels(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
         and not connection.needs_rollback
     ):
         return False
+    client_cursor = _psycopg_client_cursor()
+    return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
+
+
+@cache
+def _psycopg_client_cursor() -> type | None:
+    """psycopg 3's ``ClientCursor``; None under psycopg2, which would send its own ``COMMIT``
+    anyway (it tracks the transaction itself, not from the server's status)."""
     try:
         from psycopg import ClientCursor
-    except ImportError:  # psycopg2: it would send its own COMMIT anyway
-        return False
-    return isinstance(cursor.cursor, ClientCursor)
+    except ImportError:
+        return None
+    return ClientCursor
 
 
 def _sqlstate(exc: DatabaseError) -> str | None:
