@@ -1,6 +1,8 @@
-"""Keeps bench/eventcost.py from rotting: it runs on a scratch PostgreSQL database, in seconds.
+"""Keeps bench/eventcost.py and bench/storecost.py from rotting: they run on a scratch PostgreSQL
+database, in seconds.
 
-No timing is asserted; the figures are for docs/benchmarks.md (``python -m bench.eventcost``).
+No timing is asserted; the figures are for docs/benchmarks.md (``python -m bench.eventcost``,
+``python -m bench.storecost``).
 """
 
 from __future__ import annotations
@@ -67,3 +69,19 @@ def test_event_cost_benchmark_runs_every_row(scratch_url: str) -> None:
     assert rows["effect alone"]["ratio_to_effect_alone"] == 1.0
     for name, row in rows.items():
         assert len(row["rounds_us"]) == 2 and row["us_per_call"] > 0, (name, row)
+
+
+def test_store_cost_benchmark_runs_every_row(scratch_url: str) -> None:
+    """``bench/storecost.py`` compares two versions of the store; here the current one twice."""
+    run_python(["-m", "bench.benchproject.prepare"], scratch_url)
+    store = str(REPO / "django_idempotency" / "store.py")
+
+    out = run_python(["-m", "bench.storecost", store, "--calls", "3"], scratch_url)
+
+    rows = {row["row"] for row in json.loads(out.splitlines()[-1])["rows"]}
+    paths = (
+        "first execution (claim + store)",
+        "first execution, committed (claim + store + COMMIT)",
+        "replay (claim)",
+    )
+    assert rows == {f"{path} {version}" for path in paths for version in ("before", "after")}
