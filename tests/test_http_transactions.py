@@ -214,6 +214,41 @@ def test_a_store_that_finds_its_claim_lost_commits_nothing() -> None:
     assert not connection.in_atomic_block
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_commit_that_fails_with_the_store_leaves_nothing_and_a_usable_connection() -> None:
+    """A deferred constraint fails at COMMIT, which here travels with the store: the error
+    reaches the caller as it would from Django's own commit, nothing of the request is kept, the
+    connection is usable, and a retry runs the view afresh."""
+    if connection.vendor != "postgresql":
+        pytest.skip("a deferred unique constraint, PostgreSQL")
+    from django.db import IntegrityError
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "CREATE TABLE deferred_probe (v integer, "
+            "CONSTRAINT deferred_probe_v UNIQUE (v) DEFERRABLE INITIALLY DEFERRED)"
+        )
+    try:
+
+        def view() -> str:
+            Effect.objects.create(name="deferred", payload="x")
+            with connection.cursor() as cursor:
+                cursor.execute("INSERT INTO deferred_probe (v) VALUES (1), (1)")
+            return "never kept"
+
+        with CaptureQueriesContext(connection) as queries, pytest.raises(IntegrityError):
+            run_view("deferred", view)
+        sent = [str(query["sql"]) for query in queries.captured_queries]
+        assert any(sql.endswith("; COMMIT") for sql in sent) == is_psycopg3(), sent
+        assert not connection.in_atomic_block
+        assert effects("deferred") == 0
+        assert not IdempotencyRecord.objects.filter(key="deferred").exists()
+        assert run_view("deferred", lambda: "afresh") == "afresh"
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("DROP TABLE deferred_probe")
+
+
 # -- ATOMIC_REQUESTS and the view's own atomic blocks ----------------------------------------
 
 
