@@ -51,56 +51,25 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
     backend_cpu = _backend_cpu_reader(connection, pooled=False)
     day = timedelta(days=1)
 
-    def claim(store: Any, key: str) -> Any:
+    def claim(store: Any, key: str, token: uuid.UUID | None = None) -> Any:
         return store.claim(
             owner="cost",
             key=key,
             fingerprint="f" * 64,
             method="POST",
             path="/x/",
-            token=uuid.uuid4(),
+            token=token or uuid.uuid4(),
             ttl=day,
             lease=None,
         )
 
-    def first(store: Any) -> None:
+    def first(store: Any, *, commit: bool = False) -> None:
+        """Claim and store in one transaction, rolled back; with ``commit``, committed, and a
+        version that can send the COMMIT with the store (``complete(commit=True)``) does."""
         token = uuid.uuid4()
+        travels = commit and "commit" in inspect.signature(store.complete).parameters
         with transaction.atomic():
-            result = store.claim(
-                owner="cost",
-                key=str(uuid.uuid4()),
-                fingerprint="f" * 64,
-                method="POST",
-                path="/x/",
-                token=token,
-                ttl=day,
-                lease=None,
-            )
-            store.complete(
-                result.record_id,
-                token,
-                status=201,
-                headers={"Content-Type": "application/json"},
-                body=b'{"id": 1}',
-            )
-            transaction.set_rollback(True)
-
-    def committed(store: Any) -> None:
-        """A first execution that commits: the store is the block's last statement, so a
-        version that can send the COMMIT with it (``complete(commit=True)``) does."""
-        token = uuid.uuid4()
-        travels = "commit" in inspect.signature(store.complete).parameters
-        with transaction.atomic():
-            result = store.claim(
-                owner="cost",
-                key=str(uuid.uuid4()),
-                fingerprint="f" * 64,
-                method="POST",
-                path="/x/",
-                token=token,
-                ttl=day,
-                lease=None,
-            )
+            result = claim(store, str(uuid.uuid4()), token)
             store.complete(
                 result.record_id,
                 token,
@@ -109,20 +78,16 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
                 body=b'{"id": 1}',
                 **({"commit": True} if travels else {}),
             )
+            if not commit:
+                transaction.set_rollback(True)
+
+    def committed(store: Any) -> None:
+        first(store, commit=True)
 
     replay_key = f"cost-replay-{uuid.uuid4()}"
     token = uuid.uuid4()
     with transaction.atomic():
-        result = stores["after"].claim(
-            owner="cost",
-            key=replay_key,
-            fingerprint="f" * 64,
-            method="POST",
-            path="/x/",
-            token=token,
-            ttl=day,
-            lease=None,
-        )
+        result = claim(stores["after"], replay_key, token)
         stores["after"].complete(result.record_id, token, status=201, headers={}, body=b"{}")
 
     def replay(store: Any) -> None:

@@ -304,7 +304,8 @@ class RecordStore:
         connection = self.connection
         with connection.cursor() as cursor:
             if connection.vendor != "postgresql":
-                params: list[Any] = [status, json.dumps(headers), body, record_id, token.hex]
+                params: list[Any] = [status, json.dumps(headers), body, record_id]
+                params.append(self._token(token))
                 cursor.execute(_statements(connection).complete, params)
                 if cursor.rowcount == 1:
                     return
