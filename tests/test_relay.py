@@ -171,7 +171,9 @@ def test_retries_after_the_backoff_and_succeeds() -> None:
     flaky = iter([OSError("down"), None])
     transport = RecordingTransport(lambda m: next(flaky))
 
-    first = Relay(transports={"default": transport}, backoff=0.05, max_backoff=0.05)
+    # A backoff of an hour (at least half of it with the jitter): the second run is in it
+    # however slow the machine, and the test moves available_at to end it.
+    first = Relay(transports={"default": transport}, backoff=3600, max_backoff=3600)
     assert first.run_once().failed == 1
     assert first.run_once().claimed == 0  # still in backoff
     OutboxEntry.objects.update(available_at=timezone.now() - timedelta(seconds=1))
