@@ -272,6 +272,8 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
     perf_counter, thread_time = time.perf_counter, time.thread_time
     backend_cpu = _backend_cpu_reader(connection, pooled)
     cpu_rounds: dict[str, list[float]] = {name: [] for name in names}
+    client_rounds: dict[str, list[float]] = {name: [] for name in names}
+    server_rounds: dict[str, list[float]] = {name: [] for name in names}
     for round_no in range(rounds):
         shift = round_no % len(names)
         order = names[shift:] + names[:shift]
@@ -306,7 +308,9 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
                 server[name] += backend_cpu() - before
         for name in order:
             per_round[name].append(spent[name] / (requests - 1) * 1e6)
-            cpu_rounds[name].append((client[name] * 1e6 + server[name] / 1e3) / (requests - 1))
+            client_rounds[name].append(client[name] * 1e6 / (requests - 1))
+            server_rounds[name].append(server[name] / 1e3 / (requests - 1))
+            cpu_rounds[name].append(client_rounds[name][-1] + server_rounds[name][-1])
     out: dict[str, Any] = {
         "cpu_measured": "client+server" if backend_cpu is not _no_cpu else "client",
         "vendor": connection.vendor,
@@ -333,6 +337,8 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
             # /proc/<pid>/schedstat, same machine, direct connection). Waiting (for a core, a
             # round trip, a WAL flush) is not in it, so it barely moves with outside load.
             "cpu_us_per_request": round(statistics.median(cpu_rounds[name]), 1),
+            "client_cpu_us_per_request": round(statistics.median(client_rounds[name]), 1),
+            "server_cpu_us_per_request": round(statistics.median(server_rounds[name]), 1),
             "cpu_ratio_to_bare": round(
                 statistics.median(
                     a / b for a, b in zip(cpu_rounds[name], cpu_rounds["bare"], strict=True)

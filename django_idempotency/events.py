@@ -84,6 +84,7 @@ from django_idempotency.event_ids import (
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.partitioning import EventInsert, event_insert
+from django_idempotency.pg_roundtrips import execute_first
 
 __all__ = [
     "EVENT_ID_KEY",
@@ -250,11 +251,9 @@ def _call_reserve(
     reserving transaction, so it stays only if this delivery rolls back."""
     # psycopg takes the datetimes as they are (Django's field preparation changes nothing on
     # PostgreSQL, and costs a tenth of the call).
-    with connection.cursor() as cursor:
-        cursor.execute(RESERVE_POSTGRESQL, [name, event, topic, now, expires, first_delivery])
-        row = cursor.fetchone()
-    assert row is not None
-    return str(row[0])
+    # Usually the first statement of the transaction: its BEGIN travels with it.
+    params = [name, event, topic, now, expires, first_delivery]
+    return str(execute_first(connection, RESERVE_POSTGRESQL, params)[0][0])
 
 
 def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: str) -> str:

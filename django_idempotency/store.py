@@ -48,7 +48,6 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import cache
 from typing import Any
 
 from django.db import (
@@ -62,6 +61,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.exceptions import StaleClaim
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.pg_roundtrips import commit_travels, execute_first
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
 COMPLETED = IdempotencyRecord.State.COMPLETED.value
@@ -189,9 +189,8 @@ class RecordStore:
     def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
         params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
-        with self.connection.cursor() as cursor:
-            cursor.execute(CLAIM_POSTGRESQL, params)
-            got, claimed_id, *row = cursor.fetchone()
+        # The claim is the first statement of the transaction: its BEGIN travels with it.
+        got, claimed_id, *row = execute_first(self.connection, CLAIM_POSTGRESQL, params)[0]
         existing = self._existing(row) if row[0] is not None else None
         if claimed_id is not None:
             return ClaimResult(claimed_id, existing)
@@ -311,7 +310,7 @@ class RecordStore:
                     return
             else:
                 sql = COMPLETE_POSTGRESQL
-                if commit and _commit_travels(connection, cursor):
+                if commit and commit_travels(connection, cursor):
                     sql += "; COMMIT"
                 try:
                     cursor.execute(sql, [record_id, token, status, json.dumps(headers), body])
@@ -368,37 +367,6 @@ COMPLETE_POSTGRESQL = "SELECT django_idempotency_complete_v1(%s, %s, %s, %s::jso
 ``0007_complete_function`` creates. It raises ``NO_DATA_FOUND`` when the token no longer owns
 the record."""
 NO_DATA_FOUND = "P0002"
-
-
-def _commit_travels(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
-    """Whether a ``COMMIT`` may ride along with the next statement on ``cursor``.
-
-    Only when leaving the current atomic block will commit: it is the only one open, it entered
-    with autocommit on, and nothing marked it for rollback. And only with psycopg 3's
-    client-side binding cursor (Django's default), which sends a statement without parameters
-    left in it through the simple query protocol, where several statements may go together.
-    psycopg then sees the transaction already ended, so Django's commit sends nothing.
-    """
-    if not (
-        connection.in_atomic_block
-        and len(connection.atomic_blocks) == 1
-        and connection.commit_on_exit
-        and not connection.needs_rollback
-    ):
-        return False
-    client_cursor = _psycopg_client_cursor()
-    return client_cursor is not None and isinstance(cursor.cursor, client_cursor)
-
-
-@cache
-def _psycopg_client_cursor() -> type | None:
-    """psycopg 3's ``ClientCursor``; None under psycopg2, which would send its own ``COMMIT``
-    anyway (it tracks the transaction itself, not from the server's status)."""
-    try:
-        from psycopg import ClientCursor
-    except ImportError:
-        return None
-    return ClientCursor
 
 
 def _sqlstate(exc: DatabaseError) -> str | None:

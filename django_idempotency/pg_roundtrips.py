@@ -1,0 +1,255 @@
+"""PostgreSQL with psycopg 3: the ``BEGIN`` and the ``COMMIT`` that travel with a statement.
+
+A transaction that Django opens with ``transaction.atomic`` costs two round trips of its own on
+psycopg 3: the driver sends ``BEGIN`` alone, just before the first statement, and Django's
+commit sends ``COMMIT`` alone when the block ends. The app's own statements are often the first
+and the last of such a transaction (the HTTP claim and the stored response; a consumer's
+reservation), so both can ride along with them, in one simple-protocol query:
+
+* :func:`execute_first` sends ``BEGIN; <statement>`` when the statement is the first of the
+  transaction, and returns its rows. psycopg then finds the transaction open and sends no
+  ``BEGIN`` of its own.
+* :func:`commit_travels` says when ``<statement>; COMMIT`` may go instead of the statement, so
+  that Django's commit finds nothing left to send.
+
+Nothing here changes what the transaction does: the same statements run in the same
+transaction, on the same connection, in the same order. Whenever a condition is not met (another
+driver or backend, a transaction already open, a nested block), the statement goes the usual
+way, through a Django cursor. The code uses psycopg's public API only (``Connection.pgconn``,
+``ClientCursor.mogrify``, ``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``), and it
+does for the statement what a Django cursor does: the connection's health check, the execute
+wrappers (``connection.execute_wrapper``), the query log (``DEBUG``, ``CaptureQueriesContext``)
+and the translation of errors into ``django.db`` exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from django.db.backends.base.base import BaseDatabaseWrapper
+
+logger = logging.getLogger("django.db.backends")
+
+Executor = Callable[[str, Any, bool, dict[str, Any]], Any]
+Rows = list[tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class _Psycopg:
+    """The parts of psycopg 3 used here, imported once."""
+
+    connection: Any
+    client_cursor: Any
+    transformer: Any
+    lookup: Callable[[str], type[Exception]]
+    operational_error: type[Exception]
+    programming_error: type[Exception]
+    idle: Any
+    """``TransactionStatus.IDLE``: no transaction open on the server."""
+    ok: tuple[Any, ...]
+    """The ``ExecStatus`` values of a statement that succeeded."""
+    tuples_ok: Any
+    sqlstate: Any
+    """``DiagnosticField.SQLSTATE``."""
+
+
+@cache
+def _psycopg() -> _Psycopg | None:
+    """psycopg 3, or None under psycopg2 (which tracks the transaction itself, and would send its
+    own ``BEGIN`` and ``COMMIT`` anyway)."""
+    try:
+        import psycopg
+        import psycopg.errors
+        from psycopg.adapt import Transformer
+    except ImportError:
+        return None
+    status = psycopg.pq.ExecStatus
+    return _Psycopg(
+        connection=psycopg.Connection,
+        client_cursor=psycopg.ClientCursor,
+        transformer=Transformer,
+        lookup=psycopg.errors.lookup,
+        operational_error=psycopg.OperationalError,
+        programming_error=psycopg.ProgrammingError,
+        idle=psycopg.pq.TransactionStatus.IDLE,
+        ok=(status.COMMAND_OK, status.TUPLES_OK),
+        tuples_ok=status.TUPLES_OK,
+        sqlstate=psycopg.pq.DiagnosticField.SQLSTATE,
+    )
+
+
+# --- COMMIT -------------------------------------------------------------------------------
+
+
+def commit_travels(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
+    """Whether a ``COMMIT`` may ride along with the next statement on ``cursor``.
+
+    Only when leaving the current atomic block will commit: it is the only one open, it entered
+    with autocommit on, and nothing marked it for rollback. And only with psycopg 3's
+    client-side binding cursor (Django's default), which sends a statement without parameters
+    left in it through the simple query protocol, where several statements may go together.
+    psycopg then sees the transaction already ended, so Django's commit sends nothing.
+    """
+    if not (
+        connection.in_atomic_block
+        and len(connection.atomic_blocks) == 1
+        and connection.commit_on_exit
+        and not connection.needs_rollback
+    ):
+        return False
+    psycopg = _psycopg()
+    return psycopg is not None and isinstance(cursor.cursor, psycopg.client_cursor)
+
+
+# --- BEGIN --------------------------------------------------------------------------------
+
+
+def begin_statement(connection: BaseDatabaseWrapper) -> str | None:
+    """The ``BEGIN`` psycopg would send before the next statement; None if it would send none.
+
+    That is: psycopg 3, inside Django's ``atomic``, and no transaction open on the server yet
+    (the block was entered with autocommit on, and nothing ran in it). The isolation level of
+    ``OPTIONS`` goes into the ``BEGIN``, as psycopg would put it; a connection made read-only
+    or deferrable by hand is left to psycopg.
+    """
+    if connection.vendor != "postgresql" or not connection.in_atomic_block:
+        return None
+    psycopg = _psycopg()
+    if psycopg is None:
+        return None
+    # What a Django cursor checks first: a connection that fails its health check is closed
+    # (then reopened the usual way), and a block marked for rollback refuses every statement.
+    connection.close_if_health_check_failed()
+    connection.validate_no_broken_transaction()
+    raw = connection.connection
+    if not isinstance(raw, psycopg.connection) or raw.autocommit:
+        return None
+    if raw.pgconn.transaction_status != psycopg.idle:
+        return None
+    if raw.read_only is not None or raw.deferrable is not None:
+        return None
+    level = raw.isolation_level
+    return "BEGIN" if level is None else f"BEGIN ISOLATION LEVEL {level.name.replace('_', ' ')}"
+
+
+def execute_first(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> Rows:
+    """Run ``sql`` with ``params`` and return its rows, opening the transaction in the same
+    round trip when it is the first statement of one (see :func:`begin_statement`); otherwise
+    through a Django cursor, as usual.
+
+    An error is raised as a Django cursor raises it: the ``django.db`` exception, caused by
+    psycopg's exception for the error's SQLSTATE. The transaction is then open and failed, as
+    after any failed statement, and leaving the atomic block rolls it back.
+    """
+    begin = begin_statement(connection)
+    if begin is None:
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+            return list(cursor.fetchall())
+
+    def execute(sql: str, params: Any, many: bool, context: dict[str, Any]) -> Rows:
+        return _send(connection, begin, sql, params)
+
+    if not connection.execute_wrappers:
+        return execute(sql, list(params), False, {})
+    # As a Django cursor runs them (CursorWrapper._execute_with_wrappers): the wrapper added
+    # first is the outermost, and each gets the connection and a cursor in its context.
+    executor: Executor = execute
+    for wrapper in reversed(connection.execute_wrappers):
+        executor = _wrapped(wrapper, executor)
+    with connection.cursor() as cursor:
+        rows: Rows = executor(
+            sql, list(params), False, {"connection": connection, "cursor": cursor}
+        )
+    return rows
+
+
+def _wrapped(wrapper: Callable[..., Any], executor: Executor) -> Executor:
+    def call(sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        return wrapper(executor, sql, params, many, context)
+
+    return call
+
+
+def _send(connection: BaseDatabaseWrapper, begin: str, sql: str, params: Any) -> Rows:
+    psycopg = _psycopg()
+    assert psycopg is not None
+    raw = connection.connection
+    statement = psycopg.client_cursor(raw).mogrify(sql, params)
+    encoding = raw.info.encoding
+    logged = connection.queries_logged
+    started = time.monotonic()
+    with connection.wrap_database_errors:
+        results = _exchange(raw.pgconn, f"{begin}; {statement}".encode(encoding))
+        if logged:  # the statement alone: Django logs the block's BEGIN itself
+            _log(connection, statement, params, time.monotonic() - started)
+        for result in results:
+            if result.status not in psycopg.ok:
+                raise _error(psycopg, result, encoding)
+        last = results[-1]
+        if len(results) != 2 or last.status != psycopg.tuples_ok:
+            raise psycopg.programming_error(
+                f"{begin!r} and one statement that returns rows gave {len(results)} results"
+            )
+    transformer = psycopg.transformer.from_context(raw)
+    transformer.set_pgresult(last)
+    rows: Rows = transformer.load_rows(0, last.ntuples, tuple)
+    return rows
+
+
+def _exchange(pgconn: Any, query: bytes) -> list[Any]:
+    """Send ``query`` and read all its results, through libpq's asynchronous calls."""
+    pgconn.send_query(query)
+    while pgconn.flush():
+        _wait(pgconn.socket, writable=True)
+    while True:
+        pgconn.consume_input()
+        if not pgconn.is_busy():
+            break
+        _wait(pgconn.socket, writable=False)
+    results = []
+    while (result := pgconn.get_result()) is not None:
+        results.append(result)
+    return results
+
+
+def _wait(fd: int, *, writable: bool) -> None:
+    """Wait until ``fd`` is ready: with ``poll`` (no limit on the descriptor's number), or with
+    ``select`` where gevent's or eventlet's monkey-patching took ``poll`` away to make waiting
+    cooperative."""
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        select.select([] if writable else [fd], [fd] if writable else [], [])
+        return
+    poller = poll()
+    poller.register(fd, select.POLLOUT if writable else select.POLLIN)
+    poller.poll()
+
+
+def _error(psycopg: _Psycopg, result: Any, encoding: str) -> Exception:
+    """psycopg's exception for a failed result, chosen by its SQLSTATE as psycopg chooses it."""
+    message = (result.error_message or b"").decode(encoding, "replace").strip()
+    sqlstate = result.error_field(psycopg.sqlstate)
+    if sqlstate:
+        return psycopg.lookup(sqlstate.decode())(message)
+    return psycopg.operational_error(message or "the query failed without a message")
+
+
+def _log(connection: BaseDatabaseWrapper, sql: str, params: Any, duration: float) -> None:
+    """What Django's ``CursorDebugWrapper`` records for a statement: ``connection.queries``,
+    and the ``django.db.backends`` logger at DEBUG."""
+    connection.queries_log.append({"sql": sql, "time": f"{duration:.3f}"})
+    logger.debug(
+        "(%.3f) %s; args=%s; alias=%s",
+        duration,
+        sql,
+        params,
+        connection.alias,
+        extra={"duration": duration, "sql": sql, "params": params, "alias": connection.alias},
+    )
