@@ -84,39 +84,18 @@ def _psycopg() -> _Psycopg | None:
     )
 
 
-# --- COMMIT -------------------------------------------------------------------------------
-
-
-def commit_travels(connection: BaseDatabaseWrapper, cursor: Any) -> bool:
-    """Whether a ``COMMIT`` may ride along with the next statement on ``cursor``.
-
-    Only when leaving the current atomic block will commit: it is the only one open, it entered
-    with autocommit on, and nothing marked it for rollback. And only with psycopg 3's
-    client-side binding cursor (Django's default), which sends a statement without parameters
-    left in it through the simple query protocol, where several statements may go together.
-    psycopg then sees the transaction already ended, so Django's commit sends nothing.
-    """
-    if not (
-        connection.in_atomic_block
-        and len(connection.atomic_blocks) == 1
-        and connection.commit_on_exit
-        and not connection.needs_rollback
-    ):
-        return False
-    psycopg = _psycopg()
-    return psycopg is not None and isinstance(cursor.cursor, psycopg.client_cursor)
-
-
-# --- BEGIN --------------------------------------------------------------------------------
+# --- when they may travel --------------------------------------------------------------
 
 
 def begin_statement(connection: BaseDatabaseWrapper) -> str | None:
-    """The ``BEGIN`` psycopg would send before the next statement; None if it would send none.
+    """The ``BEGIN`` psycopg would send before the next statement; None if it would send none,
+    or if it may not travel.
 
-    That is: psycopg 3, inside Django's ``atomic``, and no transaction open on the server yet
-    (the block was entered with autocommit on, and nothing ran in it). The isolation level of
-    ``OPTIONS`` goes into the ``BEGIN``, as psycopg would put it; a connection made read-only
-    or deferrable by hand is left to psycopg.
+    It travels with psycopg 3 binding on the client (Django's default), inside Django's
+    ``atomic``, when no transaction is open on the server yet (the block was entered with
+    autocommit on, and nothing ran in it). The isolation level of ``OPTIONS`` goes into the
+    ``BEGIN``, as psycopg would put it; a connection made read-only or deferrable by hand is
+    left to psycopg.
     """
     if connection.vendor != "postgresql" or not connection.in_atomic_block:
         return None
@@ -127,10 +106,8 @@ def begin_statement(connection: BaseDatabaseWrapper) -> str | None:
     # (then reopened the usual way), and a block marked for rollback refuses every statement.
     connection.close_if_health_check_failed()
     connection.validate_no_broken_transaction()
-    raw = connection.connection
-    if not isinstance(raw, psycopg.connection) or raw.autocommit:
-        return None
-    if raw.pgconn.transaction_status != psycopg.idle:
+    raw = _client_binding(psycopg, connection)
+    if raw is None or raw.pgconn.transaction_status != psycopg.idle:
         return None
     if raw.read_only is not None or raw.deferrable is not None:
         return None
@@ -138,23 +115,82 @@ def begin_statement(connection: BaseDatabaseWrapper) -> str | None:
     return "BEGIN" if level is None else f"BEGIN ISOLATION LEVEL {level.name.replace('_', ' ')}"
 
 
+def commit_travels(connection: BaseDatabaseWrapper) -> bool:
+    """Whether a ``COMMIT`` may travel with the next statement: leaving the current atomic block
+    will commit (it is the only one open, it entered with autocommit on, and nothing marked it
+    for rollback), and psycopg 3 binds on the client (Django's default)."""
+    if not (
+        connection.vendor == "postgresql"
+        and connection.in_atomic_block
+        and len(connection.atomic_blocks) == 1
+        and connection.commit_on_exit
+        and not connection.needs_rollback
+    ):
+        return False
+    psycopg = _psycopg()
+    return psycopg is not None and _client_binding(psycopg, connection) is not None
+
+
+def _client_binding(psycopg: _Psycopg, connection: BaseDatabaseWrapper) -> Any:
+    """The psycopg 3 connection under ``connection`` if it binds parameters on the client, as
+    the statements that travel do; None otherwise. Django's ``OPTIONS = {"server_side_binding":
+    True}`` asks psycopg to bind on the server: such a connection keeps its statements apart."""
+    raw = connection.connection
+    if not isinstance(raw, psycopg.connection) or raw.autocommit:
+        return None
+    if not issubclass(raw.cursor_factory, psycopg.client_cursor):
+        return None
+    return raw
+
+
+# --- sending them ------------------------------------------------------------------------
+
+
 def execute_first(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> Rows:
     """Run ``sql`` with ``params`` and return its rows, opening the transaction in the same
     round trip when it is the first statement of one (see :func:`begin_statement`); otherwise
-    through a Django cursor, as usual.
-
-    An error is raised as a Django cursor raises it: the ``django.db`` exception, caused by
-    psycopg's exception for the error's SQLSTATE. The transaction is then open and failed, as
-    after any failed statement, and leaving the atomic block rolls it back.
-    """
+    through a Django cursor, as usual."""
     begin = begin_statement(connection)
     if begin is None:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
+    return _travel(connection, sql, params, begin=begin)
+
+
+def execute_last(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> None:
+    """Run ``sql`` with ``params``, then commit in the same round trip when leaving the current
+    atomic block would commit next (see :func:`commit_travels`): Django's own commit then finds
+    the transaction ended, and psycopg sends nothing. Otherwise through a Django cursor.
+
+    The statement must raise if the transaction must not commit: an error stops the query before
+    its ``COMMIT``. A ``COMMIT`` that fails (a deferred constraint) raises as Django's commit
+    would, and the transaction is over.
+    """
+    if not commit_travels(connection):
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
+        return
+    _travel(connection, sql, params, commit=True)
+
+
+def _travel(
+    connection: BaseDatabaseWrapper,
+    sql: str,
+    params: Sequence[Any],
+    *,
+    begin: str | None = None,
+    commit: bool = False,
+) -> Rows:
+    """Send the statement with its ``BEGIN`` or ``COMMIT``, as a Django cursor would send it.
+
+    An error is raised as a Django cursor raises it: the ``django.db`` exception, caused by
+    psycopg's exception for the error's SQLSTATE. A failed statement leaves the transaction open
+    and failed, as any failed statement does, and leaving the atomic block rolls it back.
+    """
 
     def execute(sql: str, params: Any, many: bool, context: dict[str, Any]) -> Rows:
-        return _send(connection, begin, sql, params)
+        return _send(connection, sql, params, begin, commit)
 
     if not connection.execute_wrappers:
         return execute(sql, list(params), False, {})
@@ -177,29 +213,38 @@ def _wrapped(wrapper: Callable[..., Any], executor: Executor) -> Executor:
     return call
 
 
-def _send(connection: BaseDatabaseWrapper, begin: str, sql: str, params: Any) -> Rows:
+def _send(
+    connection: BaseDatabaseWrapper, sql: str, params: Any, begin: str | None, commit: bool
+) -> Rows:
     psycopg = _psycopg()
     assert psycopg is not None
     raw = connection.connection
     statement = psycopg.client_cursor(raw).mogrify(sql, params)
+    query = f"{begin}; {statement}" if begin else statement
+    if commit:
+        query += "; COMMIT"
     encoding = raw.info.encoding
-    logged = connection.queries_logged
     started = time.monotonic()
     with connection.wrap_database_errors:
-        results = _exchange(raw.pgconn, f"{begin}; {statement}".encode(encoding))
-        if logged:  # the statement alone: Django logs the block's BEGIN itself
-            _log(connection, statement, params, time.monotonic() - started)
+        results = _exchange(raw.pgconn, query.encode(encoding))
+        if connection.queries_logged:
+            # As Django logs them: the BEGIN apart (Django logs the block's own), the COMMIT
+            # with the statement (Django logs its commit too, which finds nothing to send).
+            _log(connection, statement + ("; COMMIT" if commit else ""), params, started)
         for result in results:
             if result.status not in psycopg.ok:
                 raise _error(psycopg, result, encoding)
-        last = results[-1]
-        if len(results) != 2 or last.status != psycopg.tuples_ok:
+        expected = 1 + (begin is not None) + commit
+        if len(results) != expected:
             raise psycopg.programming_error(
-                f"{begin!r} and one statement that returns rows gave {len(results)} results"
+                f"expected {expected} results from {query[:200]!r}, got {len(results)}"
             )
+    answer = results[1 if begin else 0]
+    if answer.status != psycopg.tuples_ok:
+        return []
     transformer = psycopg.transformer.from_context(raw)
-    transformer.set_pgresult(last)
-    rows: Rows = transformer.load_rows(0, last.ntuples, tuple)
+    transformer.set_pgresult(answer)
+    rows: Rows = transformer.load_rows(0, answer.ntuples, tuple)
     return rows
 
 
@@ -241,9 +286,10 @@ def _error(psycopg: _Psycopg, result: Any, encoding: str) -> Exception:
     return psycopg.operational_error(message or "the query failed without a message")
 
 
-def _log(connection: BaseDatabaseWrapper, sql: str, params: Any, duration: float) -> None:
+def _log(connection: BaseDatabaseWrapper, sql: str, params: Any, started: float) -> None:
     """What Django's ``CursorDebugWrapper`` records for a statement: ``connection.queries``,
     and the ``django.db.backends`` logger at DEBUG."""
+    duration = time.monotonic() - started
     connection.queries_log.append({"sql": sql, "time": f"{duration:.3f}"})
     logger.debug(
         "(%.3f) %s; args=%s; alias=%s",

@@ -61,7 +61,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.exceptions import StaleClaim
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.pg_roundtrips import commit_travels, execute_first
+from django_idempotency.pg_roundtrips import execute_first, execute_last
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
 COMPLETED = IdempotencyRecord.State.COMPLETED.value
@@ -294,30 +294,32 @@ class RecordStore:
         """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record.
 
         ``commit=True`` says that the caller commits right after, by leaving its outermost
-        ``transaction.atomic``. On PostgreSQL through psycopg 3's default client-side binding
-        cursor, the ``COMMIT`` then travels with the statement, and Django's own commit finds
-        nothing left to do: one round trip less. The function raises on a lost claim, which
-        aborts the transaction before that ``COMMIT`` runs. Anywhere else (nested in another
-        atomic block, marked for rollback, another driver or backend), it is a plain statement.
+        ``transaction.atomic``. On PostgreSQL with psycopg 3 binding on the client (Django's
+        default), the ``COMMIT`` then travels with the statement, and Django's own commit finds
+        nothing left to do: one round trip less (:func:`~django_idempotency.pg_roundtrips.
+        execute_last`). The function raises on a lost claim, which stops the query before that
+        ``COMMIT``. Anywhere else (nested in another atomic block, marked for rollback, another
+        driver or backend), it is a plain statement.
         """
         connection = self.connection
-        with connection.cursor() as cursor:
-            if connection.vendor != "postgresql":
-                params: list[Any] = [status, json.dumps(headers), body, record_id]
-                params.append(self._token(token))
+        if connection.vendor == "postgresql":
+            params: list[Any] = [record_id, token, status, json.dumps(headers), body]
+            try:
+                if commit:
+                    execute_last(connection, COMPLETE_POSTGRESQL, params)
+                else:
+                    with connection.cursor() as cursor:
+                        cursor.execute(COMPLETE_POSTGRESQL, params)
+                return
+            except DatabaseError as exc:
+                if _sqlstate(exc) != NO_DATA_FOUND:
+                    raise
+        else:
+            params = [status, json.dumps(headers), body, record_id, self._token(token)]
+            with connection.cursor() as cursor:
                 cursor.execute(_statements(connection).complete, params)
                 if cursor.rowcount == 1:
                     return
-            else:
-                sql = COMPLETE_POSTGRESQL
-                if commit and commit_travels(connection, cursor):
-                    sql += "; COMMIT"
-                try:
-                    cursor.execute(sql, [record_id, token, status, json.dumps(headers), body])
-                    return
-                except DatabaseError as exc:
-                    if _sqlstate(exc) != NO_DATA_FOUND:
-                        raise
         raise StaleClaim(
             f"Record {record_id} is no longer held by token {token}: its lease ran out and "
             "another request took it over, so this response was not stored."

@@ -1,0 +1,268 @@
+"""PostgreSQL with psycopg 3: the ``BEGIN`` that travels with the first statement of a
+transaction, and the ``COMMIT`` that travels with the last (``django_idempotency.pg_roundtrips``).
+
+The round trips are read off libpq's own trace of the messages the client sent (``pgconn.trace``,
+one ``Query`` message per round trip), not from Django's query log, which logs a ``BEGIN`` and a
+``COMMIT`` whether or not the driver sends them.
+"""
+
+from __future__ import annotations
+
+import select
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from django.db import DataError, ProgrammingError, connection, transaction
+from django.test.utils import CaptureQueriesContext
+
+from django_idempotency import try_reserve
+from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.fingerprint import fingerprint
+from django_idempotency.models import IdempotencyRecord, ProcessedEvent
+from django_idempotency.pg_roundtrips import begin_statement, execute_first
+from testproject.shop.models import Effect
+
+pytestmark = pytest.mark.postgres
+
+CLAIM = "SELECT * FROM django_idempotency_claim_v1("
+STORE = "SELECT django_idempotency_complete_v1("
+RESERVE = "SELECT django_idempotency_reserve_v1("
+
+
+@pytest.fixture(autouse=True)
+def psycopg3() -> None:
+    if connection.Database.__name__ != "psycopg":
+        pytest.skip("the BEGIN and the COMMIT travel with psycopg 3 only")
+
+
+@contextmanager
+def sent() -> Iterator[list[str]]:
+    """The queries the client sends meanwhile, one per round trip, as libpq traces them (a
+    statement bound on the server shows as its Parse message)."""
+    import psycopg
+
+    connection.ensure_connection()
+    pgconn = connection.connection.pgconn
+    queries: list[str] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        pgconn.trace(trace.fileno())
+        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            yield queries
+        finally:
+            pgconn.untrace()
+            trace.seek(0)
+            for line in trace:
+                direction, _, kind, *text = line.rstrip("\n").split("\t")
+                if direction != "F":
+                    continue
+                if kind == "Query":  # the simple protocol: one round trip
+                    queries.append(" ".join(text).strip().strip('"'))
+                elif kind == "Parse":  # server-side binding: its statement, unnamed
+                    queries.append(" ".join(text).strip().removeprefix('"" "').split('"')[0])
+
+
+def command(key: str) -> Command:
+    return Command("anonymous", key, "POST", "/trips", fingerprint("POST", "/trips", b""))
+
+
+def run_view(key: str, view: Callable[[], str] | None = None) -> str | Replay:
+    def insert() -> str:
+        Effect.objects.create(name="trip")
+        return "made"
+
+    return Idempotency(Policy(using=connection.alias)).run(
+        command(key), view or insert, lambda result: Captured(201, {}, result.encode())
+    )
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_a_first_execution_is_three_round_trips_and_a_replay_two() -> None:
+    with sent() as first:
+        assert run_view("k") == "made"
+    with sent() as replay:
+        again = run_view("k")
+
+    assert isinstance(again, Replay) and again.body == b"made"
+    # The claim opens the transaction, the view's insert, the store closes it.
+    assert len(first) == 3, first
+    assert first[0].startswith(f"BEGIN; {CLAIM}"), first[0]
+    assert first[1].startswith('INSERT INTO "shop_effect"'), first[1]
+    assert first[2].startswith(STORE) and first[2].endswith("; COMMIT"), first[2]
+    # A replay: the claim with its BEGIN, then the COMMIT of a transaction that wrote nothing.
+    assert len(replay) == 2, replay
+    assert replay[0].startswith(f"BEGIN; {CLAIM}")
+    assert replay[1] == "COMMIT"
+    assert Effect.objects.count() == 1
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_try_reserve_opens_the_transaction_it_runs_in() -> None:
+    def consume(event_id: str) -> bool:
+        with transaction.atomic():
+            reserved = try_reserve(event_id, "trips")
+            if reserved:
+                Effect.objects.create(name=event_id)
+        return reserved
+
+    with sent() as first:
+        assert consume("evt-1") is True
+    with sent() as duplicate:
+        assert consume("evt-1") is False
+
+    assert len(first) == 3, first
+    assert first[0].startswith(f"BEGIN; {RESERVE}")
+    assert first[1].startswith('INSERT INTO "shop_effect"')
+    assert first[2] == "COMMIT"
+    assert len(duplicate) == 2 and duplicate[0].startswith(f"BEGIN; {RESERVE}"), duplicate
+    assert ProcessedEvent.objects.count() == 1 and Effect.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_inside_an_open_transaction_the_claim_goes_alone() -> None:
+    """In a block whose transaction is already open (a statement ran; ATOMIC_REQUESTS'
+    savepoint is such a statement), psycopg has sent its BEGIN: none travels."""
+    with sent() as queries, transaction.atomic():
+        Effect.objects.create(name="before")
+        assert begin_statement(connection) is None
+        assert run_view("k") == "made"
+
+    assert queries[0] == "BEGIN"
+    claims = [query for query in queries if CLAIM in query]
+    assert len(claims) == 1 and claims[0].startswith(CLAIM), queries
+    assert IdempotencyRecord.objects.get().state == IdempotencyRecord.State.COMPLETED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_isolation_level_of_options_travels_in_the_begin() -> None:
+    import psycopg
+
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    seen: list[str] = []
+
+    def view() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('transaction_isolation')")
+            seen.append(cursor.fetchone()[0])
+        return "made"
+
+    try:
+        with sent() as queries:
+            assert run_view("k", view) == "made"
+    finally:
+        raw.isolation_level = None
+    assert queries[0].startswith(f"BEGIN ISOLATION LEVEL SERIALIZABLE; {CLAIM}"), queries
+    assert seen == ["serializable"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_read_only_connection_is_left_to_psycopg() -> None:
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.read_only = False
+    try:
+        with transaction.atomic():
+            assert begin_statement(connection) is None
+        with sent() as queries:
+            assert run_view("k") == "made"
+    finally:
+        raw.read_only = None
+    assert queries[0] == "BEGIN READ WRITE", queries
+    assert queries[1].startswith(CLAIM)
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_an_error_is_raised_as_a_django_cursor_raises_it() -> None:
+    import psycopg
+
+    with pytest.raises(ProgrammingError) as missing, transaction.atomic():
+        execute_first(connection, "SELECT * FROM django_idempotency_no_such_function(%s)", [1])
+    assert isinstance(missing.value.__cause__, psycopg.errors.UndefinedFunction)
+    assert missing.value.__cause__.sqlstate == "42883"
+    assert "django_idempotency_no_such_function" in str(missing.value)
+
+    with pytest.raises(DataError) as divided, transaction.atomic():
+        execute_first(connection, "SELECT 1 / %s", [0])
+    assert isinstance(divided.value.__cause__, psycopg.errors.DivisionByZero)
+
+    # The atomic blocks rolled the failed transactions back: the connection goes on.
+    assert connection.connection.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    with transaction.atomic():
+        assert execute_first(connection, "SELECT %s::int + 1", [41]) == [(42,)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_block_marked_for_rollback_refuses_the_statement_as_django_does() -> None:
+    from django.db.transaction import TransactionManagementError
+
+    with transaction.atomic():
+        transaction.set_rollback(True)
+        with pytest.raises(TransactionManagementError):
+            execute_first(connection, "SELECT 1", [])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_execute_wrappers_see_and_may_change_the_statement() -> None:
+    calls: list[tuple[str, Any, bool, set[str]]] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        calls.append((sql, params, many, set(context)))
+        return execute(f"{sql} /* wrapped */", params, many, context)
+
+    with connection.execute_wrapper(wrapper), sent() as queries:
+        assert run_view("k") == "made"
+
+    assert calls[0][0].startswith(CLAIM) and calls[0][1][1] == "k"
+    assert calls[0][2] is False and calls[0][3] == {"connection", "cursor"}
+    assert queries[0].startswith(f"BEGIN; {CLAIM}") and queries[0].endswith("/* wrapped */")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_query_log_shows_the_statement_as_sent_without_its_begin() -> None:
+    with CaptureQueriesContext(connection) as log:
+        assert run_view("k") == "made"
+    logged = [str(query["sql"]) for query in log.captured_queries]
+    # Django logs the block's BEGIN itself; the claim is logged once, as a statement.
+    assert logged[0] == "BEGIN"
+    assert logged[1].startswith(CLAIM) and "'k'" in logged[1]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_waiting_works_where_monkey_patching_took_poll_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gevent and eventlet remove ``select.poll`` so that libraries wait with their
+    cooperative ``select``: the BEGIN still travels, and the answer is read."""
+    monkeypatch.delattr(select, "poll")
+    with sent() as queries:
+        assert run_view(str(uuid.uuid4())) == "made"
+    assert queries[0].startswith(f"BEGIN; {CLAIM}")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_with_server_side_binding_begin_and_commit_go_apart() -> None:
+    """Django's ``OPTIONS = {"server_side_binding": True}`` makes psycopg bind on the server
+    (``cursor_factory`` is ``psycopg.Cursor``). The statements that travel are bound on the
+    client, so such a connection keeps its BEGIN and COMMIT apart, as it asked."""
+    import psycopg
+
+    connection.ensure_connection()
+    raw = connection.connection
+    client_binding = raw.cursor_factory
+    raw.cursor_factory = psycopg.Cursor  # what server_side_binding=True sets
+    try:
+        with sent() as queries:
+            assert run_view("bound") == "made"
+    finally:
+        raw.cursor_factory = client_binding
+    assert queries[0] == "BEGIN" and queries[1].startswith(CLAIM), queries
+    assert queries[-2].startswith(STORE) and queries[-1] == "COMMIT", queries
