@@ -9,8 +9,8 @@ reservation), so both can ride along with them, in one simple-protocol query:
 * :func:`execute_first` sends ``BEGIN; <statement>`` when the statement is the first of the
   transaction, and returns its rows. psycopg then finds the transaction open and sends no
   ``BEGIN`` of its own.
-* :func:`commit_travels` says when ``<statement>; COMMIT`` may go instead of the statement, so
-  that Django's commit finds nothing left to send.
+* :func:`execute_last` sends ``<statement>; COMMIT`` when leaving the atomic block would commit
+  next (:func:`commit_travels`), so that Django's commit finds nothing left to send.
 
 Nothing here changes what the transaction does: the same statements run in the same
 transaction, on the same connection, in the same order. Whenever a condition is not met (another
@@ -47,8 +47,8 @@ class _Psycopg:
     connection: Any
     client_cursor: Any
     transformer: Any
-    lookup: Callable[[str], type[Exception]]
-    operational_error: type[Exception]
+    lookup: Callable[[str], Any]
+    operational_error: Any
     programming_error: type[Exception]
     idle: Any
     """``TransactionStatus.IDLE``: no transaction open on the server."""
@@ -278,12 +278,15 @@ def _wait(fd: int, *, writable: bool) -> None:
 
 
 def _error(psycopg: _Psycopg, result: Any, encoding: str) -> Exception:
-    """psycopg's exception for a failed result, chosen by its SQLSTATE as psycopg chooses it."""
+    """psycopg's exception for a failed result, chosen by its SQLSTATE as psycopg chooses it,
+    with the result's diagnostics (``exc.diag``: the constraint, the detail...)."""
     message = (result.error_message or b"").decode(encoding, "replace").strip()
     sqlstate = result.error_field(psycopg.sqlstate)
-    if sqlstate:
-        return psycopg.lookup(sqlstate.decode())(message)
-    return psycopg.operational_error(message or "the query failed without a message")
+    error = psycopg.lookup(sqlstate.decode()) if sqlstate else psycopg.operational_error
+    exception: Exception = error(
+        message or "the query failed without a message", info=result, encoding=encoding
+    )
+    return exception
 
 
 def _log(connection: BaseDatabaseWrapper, sql: str, params: Any, started: float) -> None:

@@ -189,6 +189,7 @@ def test_an_error_is_raised_as_a_django_cursor_raises_it() -> None:
     assert isinstance(missing.value.__cause__, psycopg.errors.UndefinedFunction)
     assert missing.value.__cause__.sqlstate == "42883"
     assert "django_idempotency_no_such_function" in str(missing.value)
+    assert "does not exist" in missing.value.__cause__.diag.message_primary
 
     with pytest.raises(DataError) as divided, transaction.atomic():
         execute_first(connection, "SELECT 1 / %s", [0])
