@@ -267,3 +267,27 @@ def test_with_server_side_binding_begin_and_commit_go_apart() -> None:
         raw.cursor_factory = client_binding
     assert queries[0] == "BEGIN" and queries[1].startswith(CLAIM), queries
     assert queries[-2].startswith(STORE) and queries[-1] == "COMMIT", queries
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_the_server_closed_fails_as_a_django_cursor_fails() -> None:
+    """The server ends the session between two requests (a restart, an idle timeout): the claim
+    that would carry the BEGIN raises Django's OperationalError, the connection is found unusable
+    and closed at the end of the request, and the next request runs on a new one."""
+    from django.db import OperationalError, close_old_connections
+
+    connection.ensure_connection()
+    pid = connection.connection.info.backend_pid
+    other = connection.get_new_connection(connection.get_connection_params())
+    try:
+        other.autocommit = True
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+    finally:
+        other.close()
+
+    with pytest.raises(OperationalError):
+        run_view("k")
+    close_old_connections()  # what Django runs when the request ends
+    assert connection.connection is None
+    assert run_view("k") == "made"
+    assert connection.connection.info.backend_pid != pid
