@@ -291,3 +291,21 @@ def test_a_connection_the_server_closed_fails_as_a_django_cursor_fails() -> None
     assert connection.connection is None
     assert run_view("k") == "made"
     assert connection.connection.info.backend_pid != pid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_large_response_travels_whole_with_its_commit() -> None:
+    """A body of a few megabytes (a query of twice that, in hex) is stored by the query that
+    carries the COMMIT, and the replay returns it byte for byte."""
+    body = bytes(range(256)) * (3 * 4096)  # 3 MiB, every byte value
+
+    def view() -> str:
+        return "big"
+
+    policy = Policy(using=connection.alias)
+    with sent() as queries:
+        Idempotency(policy).run(command("big"), view, lambda _: Captured(201, {}, body))
+    again = Idempotency(policy).run(command("big"), view, lambda _: Captured(201, {}, b""))
+
+    assert queries[-1].startswith(STORE) and queries[-1].endswith("; COMMIT")
+    assert isinstance(again, Replay) and again.body == body
