@@ -281,7 +281,8 @@ def test_a_connection_the_server_closed_fails_as_a_django_cursor_fails() -> None
     other = connection.get_new_connection(connection.get_connection_params())
     try:
         other.autocommit = True
-        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        # Waits (up to 5 s) until the session has ended, so the claim cannot outrun it.
+        other.execute("SELECT pg_terminate_backend(%s, 5000)", [pid])
     finally:
         other.close()
 
