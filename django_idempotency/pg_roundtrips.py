@@ -29,7 +29,7 @@ import select
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
@@ -198,19 +198,12 @@ def _travel(
     # first is the outermost, and each gets the connection and a cursor in its context.
     executor: Executor = execute
     for wrapper in reversed(connection.execute_wrappers):
-        executor = _wrapped(wrapper, executor)
+        executor = partial(wrapper, executor)
     with connection.cursor() as cursor:
         rows: Rows = executor(
             sql, list(params), False, {"connection": connection, "cursor": cursor}
         )
     return rows
-
-
-def _wrapped(wrapper: Callable[..., Any], executor: Executor) -> Executor:
-    def call(sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
-        return wrapper(executor, sql, params, many, context)
-
-    return call
 
 
 def _send(
