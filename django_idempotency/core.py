@@ -54,7 +54,7 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.models import IdempotencyRecord
 from django_idempotency.owner import display_owner
-from django_idempotency.store import ClaimResult, Existing, RecordStore
+from django_idempotency.store import ClaimResult, ClaimValues, Existing, RecordStore
 
 logger = logging.getLogger("django_idempotency")
 
@@ -134,9 +134,13 @@ class Replay:
 class _Claim:
     """A record this request owns, and the transaction the view runs in."""
 
-    record_id: int
+    record_id: int | None
+    """None until the record is written, for a deferred claim (see ``deferred``)."""
     token: uuid.UUID
     atomic: Any
+    deferred: ClaimValues | None = None
+    """The claim wrote no record (PostgreSQL, atomic mode, a new key): storing the response
+    writes it (:attr:`~django_idempotency.store.ClaimResult.deferred`)."""
 
 
 class Idempotency:
@@ -270,7 +274,7 @@ class Idempotency:
             atomic.__exit__(None, None, None)  # commit the claim; the view gets its own
             atomic = transaction.atomic(using=self.policy.using)
             atomic.__enter__()
-        return _Claim(result.record_id or 0, token, atomic)
+        return _Claim(result.record_id, token, atomic, result.deferred)
 
     def _refuse(self, command: Command, result: ClaimResult, *, final: bool) -> Replay | None:
         existing = result.existing
@@ -330,19 +334,20 @@ class Idempotency:
                 release_after = policy.lease is not None
             elif captured.status >= 500 or captured.status in policy.unstored_statuses:
                 outcome = "released"
-                self.store.release(claim.record_id, claim.token)
+                self.store.release(claim.record_id, claim.token, deferred=claim.deferred)
             else:
                 outcome = "stored" if captured.body is not None else "stored_not_replayable"
                 headers = dict(captured.headers)
                 if captured.body is None:
                     headers[NOT_REPLAYABLE] = captured.not_replayable_reason or "not stored"
-                self.store.complete(
+                claim.record_id = self.store.complete(
                     claim.record_id,
                     claim.token,
                     status=captured.status,
                     headers=headers,
                     body=captured.body,
                     commit=True,  # leaving claim.atomic, next, commits
+                    deferred=claim.deferred,
                 )
         except StaleClaim:
             transaction.set_rollback(True, using=policy.using)
@@ -374,7 +379,7 @@ class Idempotency:
         """Release a lease-mode claim in its own transaction; a lost claim is only logged."""
         try:
             with transaction.atomic(using=self.policy.using):
-                self.store.release(claim.record_id, claim.token)
+                self.store.release(claim.record_id, claim.token, deferred=claim.deferred)
         except StaleClaim:
             self._log(command, "stale", record=claim.record_id, level=logging.WARNING)
 

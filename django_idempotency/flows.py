@@ -468,6 +468,12 @@ class Flow:
     def _alias(self) -> str:
         return self.core.policy.using if self.core is not None else "default"
 
+    @property
+    def _record_id(self) -> int:
+        """The claimed record's id: a flow runs in lease mode, whose claim writes the record."""
+        assert self.claim is not None and self.claim.record_id is not None
+        return self.claim.record_id
+
     def _load(self) -> None:
         assert self.claim is not None and self.command is not None and self.view is not None
         run = FlowRun.objects.using(self._alias).filter(record_id=self.claim.record_id).first()
@@ -525,7 +531,7 @@ class Flow:
         assert lease is not None
         updated = (
             IdempotencyRecord.objects.using(self._alias)
-            .filter(pk=self.claim.record_id, token=self.claim.token, state=IN_PROGRESS)
+            .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
             .update(locked_until=DatabaseNow() + lease)
         )
         if updated != 1:
@@ -554,7 +560,7 @@ class Flow:
         runs = FlowRun.objects.using(self._alias)
         if self._run_id is None:
             run = runs.create(
-                record_id=self.claim.record_id,
+                record_id=self._record_id,
                 flow=self.view.name,
                 fingerprint=self.command.fingerprint,
                 request=self._request_data(),
@@ -578,7 +584,7 @@ class Flow:
         with transaction.atomic(using=self._alias):
             held = (
                 IdempotencyRecord.objects.using(self._alias)
-                .filter(pk=self.claim.record_id, token=self.claim.token, state=IN_PROGRESS)
+                .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
                 .update(locked_until=DatabaseNow())
             )
             if held:

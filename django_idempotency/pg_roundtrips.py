@@ -158,20 +158,20 @@ def execute_first(connection: BaseDatabaseWrapper, sql: str, params: Sequence[An
     return _travel(connection, sql, params, begin=begin)
 
 
-def execute_last(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> None:
+def execute_last(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> Rows:
     """Run ``sql`` with ``params``, then commit in the same round trip when leaving the current
     atomic block would commit next (see :func:`commit_travels`): Django's own commit then finds
     the transaction ended, and psycopg sends nothing. Otherwise through a Django cursor.
 
     The statement must raise if the transaction must not commit: an error stops the query before
     its ``COMMIT``. A ``COMMIT`` that fails (a deferred constraint) raises as Django's commit
-    would, and the transaction is over.
+    would, and the transaction is over. Returns the statement's rows.
     """
     if not commit_travels(connection):
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
-        return
-    _travel(connection, sql, params, commit=True)
+            return list(cursor.fetchall()) if cursor.description else []
+    return _travel(connection, sql, params, commit=True)
 
 
 def _travel(

@@ -12,9 +12,14 @@ PostgreSQL
     would block on an uncommitted duplicate until its transaction ends; the advisory lock
     answers "someone is running this key right now" at once, and the database drops it when
     that transaction commits, rolls back, or its process dies. The statement lives in the
-    PL/pgSQL function ``django_idempotency_claim_v1`` (migration ``0005_claim_function``): the
-    request sends a short call, and PostgreSQL keeps the function's plan for the session, which
-    also holds behind PgBouncer in transaction pooling mode (no prepared statement is used).
+    PL/pgSQL function ``django_idempotency_claim_v2`` (migration ``0008_write_once``, after
+    ``0005_claim_function``'s ``_v1``): the request sends a short call, and PostgreSQL keeps the
+    function's plan for the session, which also holds behind PgBouncer in transaction pooling
+    mode (no prepared statement is used). In atomic mode, a key with no record at all is claimed
+    by the lock alone: nobody else could see the row before it commits anyway, so the record is
+    written once, completed, by :meth:`RecordStore.complete` (``ClaimResult.deferred``). After
+    taking the lock the function looks again, in a new statement whose snapshot sees a record
+    that the lock's previous holder committed.
 MariaDB / MySQL
     ``SET STATEMENT innodb_lock_wait_timeout=0 FOR INSERT ...``: an uncommitted duplicate makes
     the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
@@ -32,8 +37,9 @@ SQLite
 Storing the response and releasing a record are hand-written statements, built once per backend
 (:func:`_statements`), not ORM queries compiled on every request. On PostgreSQL the response is
 stored by the PL/pgSQL function ``django_idempotency_complete_v1`` (migration
-``0007_complete_function``), and the ``COMMIT`` that follows can travel in the same query
-(:meth:`RecordStore.complete`).
+``0007_complete_function``), or written with its new record by
+``django_idempotency_insert_completed_v1`` (``0008_write_once``), and the ``COMMIT`` that follows
+can travel in the same query (:meth:`RecordStore.complete`).
 
 Every time comparison uses the database clock (``STATEMENT_TIMESTAMP()``,
 ``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry
@@ -116,10 +122,14 @@ class ClaimResult:
 
     record_id: int | None
     existing: Existing | None
+    deferred: ClaimValues | None = None
+    """Set when the caller owns a key that has no record yet, and none was written (PostgreSQL,
+    atomic mode, see :meth:`RecordStore.claim`): :meth:`RecordStore.complete` writes the record
+    from these values, and :meth:`RecordStore.release` has nothing to delete."""
 
     @property
     def claimed(self) -> bool:
-        return self.record_id is not None
+        return self.record_id is not None or self.deferred is not None
 
 
 def advisory_lock_id(owner: str, key: str) -> int:
@@ -165,8 +175,13 @@ class RecordStore:
         A record whose TTL ran out is taken over as a new key. An ``in_progress`` record whose
         lease ran out is taken over when the fingerprint matches (the retry of a crashed
         holder). Must run inside a transaction on :attr:`using`.
+
+        On PostgreSQL, a new key in atomic mode (``lease`` None) at ``READ COMMITTED`` is claimed
+        by the advisory lock alone: no row is written until :meth:`complete` writes it,
+        completed, in the same transaction (``ClaimResult.deferred``; migration
+        ``0008_write_once``).
         """
-        values = _ClaimValues(owner, key, fingerprint, method, path[:2000], token, ttl, lease)
+        values = ClaimValues(owner, key, fingerprint, method, path[:2000], token, ttl, lease)
         vendor = self.connection.vendor
         for _ in range(3):
             if vendor == "postgresql":
@@ -186,11 +201,14 @@ class RecordStore:
         # released each time): answer "in progress" and let the client retry.
         return ClaimResult(None, None)
 
-    def _claim_postgresql(self, v: _ClaimValues) -> ClaimResult | None:
+    def _claim_postgresql(self, v: ClaimValues) -> ClaimResult | None:
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
         params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
         # The claim is the first statement of the transaction: its BEGIN travels with it.
-        got, claimed_id, *row = execute_first(self.connection, CLAIM_POSTGRESQL, params)[0]
+        rows = execute_first(self.connection, CLAIM_POSTGRESQL, params)
+        got, claimed_id, *row, deferred = rows[0]
+        if deferred:
+            return ClaimResult(None, None, v)
         existing = self._existing(row) if row[0] is not None else None
         if claimed_id is not None:
             return ClaimResult(claimed_id, existing)
@@ -200,7 +218,7 @@ class RecordStore:
             return None
         return ClaimResult(None, existing)
 
-    def _claim_mysql(self, v: _ClaimValues) -> ClaimResult | None:
+    def _claim_mysql(self, v: ClaimValues) -> ClaimResult | None:
         sql = _statements(self.connection)
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
         params += [_microseconds(v.lease), _microseconds(v.ttl)]
@@ -234,7 +252,7 @@ class RecordStore:
             # (or release savepoints) as though nothing happened.
             self.connection.needs_rollback = self.connection.in_atomic_block
 
-    def _claim_sqlite(self, v: _ClaimValues) -> ClaimResult | None:
+    def _claim_sqlite(self, v: ClaimValues) -> ClaimResult | None:
         sql = _statements(self.connection)
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
         params += [_sqlite_modifier(v.lease), _sqlite_modifier(v.ttl)]
@@ -253,7 +271,7 @@ class RecordStore:
             return None
         return self._take_over_or_report(v, self._existing(row))
 
-    def _take_over_or_report(self, v: _ClaimValues, existing: Existing) -> ClaimResult:
+    def _take_over_or_report(self, v: ClaimValues, existing: Existing) -> ClaimResult:
         """MariaDB and SQLite: take over an expired record or a stale lease, compare-and-swap."""
         if existing.lease_live or not (
             existing.expired
@@ -283,15 +301,21 @@ class RecordStore:
 
     def complete(
         self,
-        record_id: int,
+        record_id: int | None,
         token: uuid.UUID,
         *,
         status: int,
         headers: dict[str, str],
         body: bytes | None,
         commit: bool = False,
-    ) -> None:
+        deferred: ClaimValues | None = None,
+    ) -> int:
         """Store the response; raise :class:`StaleClaim` unless ``token`` still owns the record.
+        Returns the record's id.
+
+        ``deferred`` is the claim's :attr:`ClaimResult.deferred`: the record is then written
+        here, completed (PostgreSQL's ``django_idempotency_insert_completed_v1``). A row that
+        appeared meanwhile, which the advisory lock rules out, raises :class:`StaleClaim` too.
 
         ``commit=True`` says that the caller commits right after, by leaving its outermost
         ``transaction.atomic``. On PostgreSQL with psycopg 3 binding on the client (Django's
@@ -303,30 +327,48 @@ class RecordStore:
         """
         connection = self.connection
         if connection.vendor == "postgresql":
-            params: list[Any] = [record_id, token, status, json.dumps(headers), body]
+            if deferred is not None:
+                v = deferred
+                sql = INSERT_COMPLETED_POSTGRESQL
+                params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, token]
+                params += [v.ttl, status, json.dumps(headers), body]
+            else:
+                sql = COMPLETE_POSTGRESQL
+                params = [record_id, token, status, json.dumps(headers), body]
             try:
                 if commit:
-                    execute_last(connection, COMPLETE_POSTGRESQL, params)
+                    rows = execute_last(connection, sql, params)
                 else:
                     with connection.cursor() as cursor:
-                        cursor.execute(COMPLETE_POSTGRESQL, params)
-                return
+                        cursor.execute(sql, params)
+                        rows = cursor.fetchall()
+                return int(rows[0][0]) if deferred is not None else int(record_id or 0)
             except DatabaseError as exc:
                 if _sqlstate(exc) != NO_DATA_FOUND:
                     raise
+            if deferred is not None:
+                raise StaleClaim(
+                    f"Key {deferred.key!r} got a record while token {token} held its claim, so "
+                    "this response was not stored."
+                )
         else:
             params = [status, json.dumps(headers), body, record_id, self._token(token)]
             with connection.cursor() as cursor:
                 cursor.execute(_statements(connection).complete, params)
                 if cursor.rowcount == 1:
-                    return
+                    return int(record_id or 0)
         raise StaleClaim(
             f"Record {record_id} is no longer held by token {token}: its lease ran out and "
             "another request took it over, so this response was not stored."
         )
 
-    def release(self, record_id: int, token: uuid.UUID) -> None:
-        """Delete an unfinished record so a retry executes afresh; checks ``token`` likewise."""
+    def release(
+        self, record_id: int | None, token: uuid.UUID, *, deferred: ClaimValues | None = None
+    ) -> None:
+        """Delete an unfinished record so a retry executes afresh; checks ``token`` likewise.
+        A deferred claim (:attr:`ClaimResult.deferred`) wrote no record: nothing to delete."""
+        if deferred is not None:
+            return
         with self.connection.cursor() as cursor:
             cursor.execute(_statements(self.connection).release, [record_id, self._token(token)])
             deleted = cursor.rowcount
@@ -359,9 +401,16 @@ class RecordStore:
         )
 
 
-CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
-"""The claim on PostgreSQL: a call of the function that migration ``0005_claim_function``
-creates. A short statement to parse, and the function's own plan is cached per session."""
+CLAIM_POSTGRESQL = "SELECT * FROM django_idempotency_claim_v2(%s, %s, %s, %s, %s, %s, %s, %s, %s)"
+"""The claim on PostgreSQL: a call of the function that migration ``0008_write_once`` creates
+(``0005_claim_function``'s, which leaves a new key in atomic mode unwritten). A short statement
+to parse, and the function's own plan is cached per session."""
+
+INSERT_COMPLETED_POSTGRESQL = (
+    "SELECT django_idempotency_insert_completed_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s)"
+)
+"""Writing a deferred claim's record, completed, on PostgreSQL (migration ``0008_write_once``).
+It raises ``NO_DATA_FOUND`` if the key has a record already."""
 
 
 COMPLETE_POSTGRESQL = "SELECT django_idempotency_complete_v1(%s, %s, %s, %s::jsonb, %s)"
@@ -464,7 +513,9 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
 
 
 @dataclass(frozen=True)
-class _ClaimValues:
+class ClaimValues:
+    """What a claim writes into a record (``path`` already cut to the column's length)."""
+
     owner: str
     key: str
     fingerprint: str

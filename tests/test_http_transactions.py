@@ -50,9 +50,9 @@ def statements(queries: list[str]) -> list[str]:
 
 def assert_claim(sql: str) -> None:
     """The claim: on PostgreSQL a short call of the claim function (its plan is cached per
-    session, see migration 0005), elsewhere an INSERT into the records table."""
+    session, see migrations 0005 and 0008), elsewhere an INSERT into the records table."""
     if connection.vendor == "postgresql":
-        assert sql.startswith("SELECT * FROM django_idempotency_claim_v1("), sql
+        assert sql.startswith("SELECT * FROM django_idempotency_claim_v2("), sql
         assert TABLE not in sql
     else:
         assert TABLE in sql, sql
@@ -63,13 +63,13 @@ def is_psycopg3() -> bool:
 
 
 def assert_store(sql: str, *, commit: bool) -> None:
-    """Storing the response: on PostgreSQL a call of the function from migration 0007, with the
-    ``COMMIT`` in the same round trip when leaving the decorator's block commits (psycopg 3);
-    elsewhere an UPDATE of the records table."""
+    """Storing the response: on PostgreSQL a call of the function from migration 0008 that
+    writes a new key's record, completed, with the ``COMMIT`` in the same round trip when leaving
+    the decorator's block commits (psycopg 3); elsewhere an UPDATE of the records table."""
     if connection.vendor != "postgresql":
         assert sql.startswith("UPDATE") and TABLE in sql, sql
         return
-    assert sql.startswith("SELECT django_idempotency_complete_v1("), sql
+    assert sql.startswith("SELECT django_idempotency_insert_completed_v1("), sql
     assert TABLE not in sql
     assert sql.endswith("; COMMIT") == (commit and is_psycopg3()), sql
 
@@ -189,7 +189,7 @@ def test_with_server_side_binding_the_commit_goes_on_its_own() -> None:
     finally:
         raw.cursor_factory = client_binding
     sent = [str(query["sql"]) for query in queries.captured_queries]
-    stores = [sql for sql in sent if "complete_v1" in sql]
+    stores = [sql for sql in sent if "insert_completed_v1" in sql]
     assert len(stores) == 1 and not stores[0].endswith("; COMMIT"), sent
     assert sent[-1] == "COMMIT"
 
@@ -197,8 +197,11 @@ def test_with_server_side_binding_the_commit_goes_on_its_own() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_a_store_that_finds_its_claim_lost_commits_nothing() -> None:
     """The store's function raises on a lost claim, before the COMMIT that travels with it: the
-    view's writes roll back and the client gets a 409. The claim is lost here by changing the
-    record's token while the view runs, as a takeover by a retry would."""
+    view's writes roll back and the client gets a 409. The key has an expired record, which the
+    claim takes over (on PostgreSQL that writes the record at once, with this request's token);
+    the claim is lost here by changing the record's token while the view runs, as a takeover by
+    a retry would."""
+    expired_record("lost")
 
     def view() -> str:
         Effect.objects.create(name="lost", payload="x")
@@ -210,8 +213,51 @@ def test_a_store_that_finds_its_claim_lost_commits_nothing() -> None:
     sent = [str(query["sql"]) for query in queries.captured_queries]
     assert any(sql.endswith("; COMMIT") for sql in sent) == is_psycopg3(), sent
     assert effects("lost") == 0
-    assert not IdempotencyRecord.objects.filter(key="lost").exists()
+    # The takeover rolled back with the view: the expired record is as it was.
+    (record,) = IdempotencyRecord.objects.filter(key="lost")
+    assert record.expires_at < timezone.now() and record.response_body == b"old"
     assert not connection.in_atomic_block
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_key_whose_record_appeared_meanwhile_commits_nothing() -> None:
+    """PostgreSQL leaves a new key's record to the store (``ClaimResult.deferred``): the claim's
+    advisory lock keeps every other claim out until the store writes it. Should a record be
+    there all the same (here the view writes one, past the lock), the store's function raises
+    before the travelling COMMIT: the view's writes roll back and the client gets a 409."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the deferred record is PostgreSQL's")
+
+    def view() -> str:
+        Effect.objects.create(name="appeared", payload="x")
+        expired_record("appeared", expires_in=timedelta(days=1))
+        return "appeared"
+
+    with CaptureQueriesContext(connection) as queries, pytest.raises(RequestInProgress):
+        run_view("appeared", view)
+    sent = [str(query["sql"]) for query in queries.captured_queries]
+    assert (
+        any("insert_completed_v1" in sql and sql.endswith("; COMMIT") for sql in sent)
+        == is_psycopg3()
+    ), sent
+    assert effects("appeared") == 0
+    assert not IdempotencyRecord.objects.filter(key="appeared").exists()
+    assert not connection.in_atomic_block
+
+
+def expired_record(key: str, *, expires_in: timedelta = -timedelta(seconds=1)) -> None:
+    """A completed record of ``key`` for ``run_view``'s request, expired unless told."""
+    IdempotencyRecord.objects.create(
+        owner=command(key).owner,
+        key=key,
+        fingerprint=command(key).fingerprint,
+        method="POST",
+        path=command(key).path,
+        state=IdempotencyRecord.State.COMPLETED,
+        response_status=201,
+        response_body=b"old",
+        expires_at=timezone.now() + expires_in,
+    )
 
 
 @pytest.mark.django_db(transaction=True)

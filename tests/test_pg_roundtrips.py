@@ -28,8 +28,9 @@ from testproject.shop.models import Effect
 
 pytestmark = pytest.mark.postgres
 
-CLAIM = "SELECT * FROM django_idempotency_claim_v1("
-STORE = "SELECT django_idempotency_complete_v1("
+CLAIM = "SELECT * FROM django_idempotency_claim_v2("
+STORE = "SELECT django_idempotency_insert_completed_v1("
+UPDATE = "SELECT django_idempotency_complete_v1("
 RESERVE = "SELECT django_idempotency_reserve_v1("
 
 
@@ -161,6 +162,9 @@ def test_the_isolation_level_of_options_travels_in_the_begin() -> None:
         raw.isolation_level = None
     assert queries[0].startswith(f"BEGIN ISOLATION LEVEL SERIALIZABLE; {CLAIM}"), queries
     assert seen == ["serializable"]
+    # Above READ COMMITTED the claim writes the record at once (its snapshot could not see a
+    # record committed while it waited for nothing), and the store updates it.
+    assert queries[-1].startswith(UPDATE) and queries[-1].endswith("; COMMIT"), queries
 
 
 @pytest.mark.django_db(transaction=True)
