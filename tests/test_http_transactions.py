@@ -439,3 +439,32 @@ def test_sqlite_answers_409_when_the_database_lock_wait_runs_out(
         connection.close()
     problem(response, 409)
     assert effects() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_new_key_is_written_once_by_the_store_on_postgresql() -> None:
+    """PostgreSQL, atomic mode, a key without a record: the claim writes nothing (its advisory
+    lock keeps duplicates out), and the store writes the record, completed. Where a record is
+    there already (here an expired one, taken over), the claim writes it at once, as before:
+    the view sees it in progress under its own token."""
+    if connection.vendor != "postgresql":
+        pytest.skip("the deferred record is PostgreSQL's")
+    seen: dict[str, list[str]] = {}
+
+    def view_of(key: str) -> Callable[[], str]:
+        def view() -> str:
+            rows = IdempotencyRecord.objects.filter(key=key)
+            seen[key] = [record.state for record in rows]
+            return key
+
+        return view
+
+    assert run_view("fresh", view_of("fresh")) == "fresh"
+    expired_record("again")
+    assert run_view("again", view_of("again")) == "again"
+    assert seen == {"fresh": [], "again": ["in_progress"]}
+    for key in ("fresh", "again"):
+        (record,) = IdempotencyRecord.objects.filter(key=key)
+        assert record.state == "completed" and record.response_body == key.encode()
+        assert record.created_at <= record.completed_at < record.expires_at
+    assert isinstance(run_view("fresh", view_of("fresh")), Replay)

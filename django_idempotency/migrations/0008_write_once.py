@@ -6,11 +6,14 @@ writes for every first execution. But in atomic mode the claim's row is never se
 else: it is uncommitted until the response is stored in the same transaction. What keeps a
 concurrent duplicate out is the advisory lock, not the row.
 
-``django_idempotency_claim_v2`` therefore does not insert when the key has no record at all, the
-transaction runs at ``READ COMMITTED`` (PostgreSQL's and Django's default) and the request is in
-atomic mode (``p_lease`` is null). It takes the advisory lock, then looks for the record again:
-in a new statement, so with a new snapshot, which sees a record committed by the holder the lock
-was waiting for. Still nothing there: it answers ``deferred`` and writes nothing. The lock stays
+``django_idempotency_claim_v2`` first reads the key's record. A completed one that has not
+expired (a replay) is answered from that read, without the statement below.
+
+It does not insert when the key has no record at all, the transaction runs at ``READ
+COMMITTED`` (PostgreSQL's and Django's default) and the request is in atomic mode (``p_lease``
+is null). It takes the advisory lock, then looks for the record again: in a new statement, so
+with a new snapshot, which sees a record that the lock's previous holder committed between the
+first read and the lock. Still nothing there: it answers ``deferred`` and writes nothing. The lock stays
 held until the transaction ends, and every other claim of the key tries it first, so no other
 request can write this key meanwhile.
 
@@ -44,10 +47,25 @@ CREATE OR REPLACE FUNCTION django_idempotency_claim_v2(
     response_status integer, response_headers jsonb, response_body bytea, expired boolean,
     lease_live boolean, deferred boolean
 ) LANGUAGE plpgsql VOLATILE AS $function$
+DECLARE
+    found_record boolean;
+    known record;
 BEGIN
-    IF p_lease IS NULL
+    SELECT t.id, t.fingerprint, t.state, t.token, t.response_status, t.response_headers,
+           t.response_body, t.expires_at <= statement_timestamp() AS expired,
+           (t.state = 'in_progress' AND t.locked_until > statement_timestamp()) AS lease_live
+    INTO known FROM {TABLE} AS t WHERE t.owner = p_owner AND t."key" = p_key;
+    found_record := FOUND;
+    IF found_record AND known.state = 'completed' AND NOT known.expired THEN
+        -- A replay: what v1's statement answers for it, without its lock and insert.
+        RETURN QUERY SELECT NULL::boolean, NULL::bigint, known.id::bigint,
+            known.fingerprint::text, known.state::text, known.token,
+            known.response_status::integer, known.response_headers, known.response_body,
+            known.expired, known.lease_live, false;
+        RETURN;
+    END IF;
+    IF NOT found_record AND p_lease IS NULL
        AND current_setting('transaction_isolation') = 'read committed'
-       AND NOT EXISTS (SELECT 1 FROM {TABLE} AS r WHERE r.owner = p_owner AND r."key" = p_key)
     THEN
         IF NOT pg_try_advisory_xact_lock(p_lock_id) THEN
             RETURN QUERY SELECT false, NULL::bigint, NULL::bigint, NULL::text, NULL::text,
@@ -55,7 +73,7 @@ BEGIN
                 NULL::boolean, false;
             RETURN;
         END IF;
-        IF NOT EXISTS (SELECT 1 FROM {TABLE} AS r WHERE r.owner = p_owner AND r."key" = p_key)
+        IF NOT EXISTS (SELECT 1 FROM {TABLE} AS t WHERE t.owner = p_owner AND t."key" = p_key)
         THEN
             RETURN QUERY SELECT true, NULL::bigint, NULL::bigint, NULL::text, NULL::text,
                 NULL::uuid, NULL::integer, NULL::jsonb, NULL::bytea, NULL::boolean,
