@@ -476,7 +476,7 @@ class Flow:
 
     def _load(self) -> None:
         assert self.claim is not None and self.command is not None and self.view is not None
-        run = FlowRun.objects.using(self._alias).filter(record_id=self.claim.record_id).first()
+        run = FlowRun.objects.using(self._alias).filter(record_id=self._record_id).first()
         if run is None:
             return
         if (
