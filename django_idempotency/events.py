@@ -84,7 +84,7 @@ from django_idempotency.event_ids import (
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.partitioning import EventInsert, event_insert
-from django_idempotency.pg_roundtrips import execute_first
+from django_idempotency.pg_roundtrips import apart_may_travel, execute_apart_first, execute_first
 
 __all__ = [
     "EVENT_ID_KEY",
@@ -484,6 +484,49 @@ def _call_count(
         return _fetch_count(connection, [*params, False])
 
 
+def _count_travels(event: str, alias: str) -> bool:
+    """Whether the count can travel with the reservation (:func:`_count_and_reserve`): on
+    PostgreSQL with psycopg 3 (default layout), outside any transaction."""
+    connection = connections[alias]
+    return _sql_layout(connection, event) is None and apart_may_travel(connection)
+
+
+def _count_and_reserve(
+    event: str, name: str, topic: str, ttl: Any, alias: str, *, redelivered: bool
+) -> tuple[Delivery | None, str]:
+    """Count the delivery in a transaction of its own, then open the business transaction with
+    the reservation, in one round trip (``BEGIN; <count>; COMMIT; BEGIN; <reserve>``).
+
+    The first delivery of an event pays one round trip for both, where counting apart paid two.
+    The count commits, flushed as before (or asynchronously, with ``ASYNC_DELIVERY_COUNT``),
+    before the reservation runs, so it survives a worker that dies in the business transaction.
+    Returns the delivery (None if the count found the event processed) and what the reservation
+    found. A duplicate learns that it is one from this same round trip, and then ends the
+    transaction it opened, which wrote nothing."""
+    connection = connections[alias]
+    now = timezone.now()
+    expires = now + _ttl(ttl)
+    asynchronous = conf.ASYNC_DELIVERY_COUNT
+    count = [name, event, topic, 2 if redelivered else 1, now, expires, asynchronous]
+    reserve = [name, event, topic, now, expires, False]
+    sent = execute_apart_first(
+        connection, (COUNT_POSTGRESQL, count), (RESERVE_POSTGRESQL, reserve)
+    )
+    if sent is None:
+        raise TransactionManagementError(
+            "django-idempotency could not count the delivery apart from the business "
+            "transaction: a statement ran on the connection between process_event() and its "
+            "reservation. Please report this."
+        )
+    counted, reserved = sent
+    delivery = Delivery(name, event, topic, *_counted(counted[0])) if counted else None
+    return delivery, str(reserved[0][0])
+
+
+def _counted(row: tuple[Any, ...]) -> tuple[int, bool]:
+    return int(row[0]), bool(row[1])
+
+
 def _fetch_count(connection: BaseDatabaseWrapper, params: list[Any]) -> tuple[int, bool] | None:
     with connection.cursor() as cursor:
         cursor.execute(COUNT_POSTGRESQL, params)
@@ -766,8 +809,11 @@ def process_event(
 
     # The broker vouches for a first delivery: its count is skipped (see above).
     first = count_deliveries and redelivered is False
+    counted = count_deliveries and not first
+    # On PostgreSQL the count travels with the reservation (_count_and_reserve), where it can.
+    travels = counted and _count_travels(event, alias)
     delivery = None
-    if count_deliveries and not first:
+    if counted and not travels:
         delivery = _count_unless_processed(
             event, name, topic_value, ttl, alias, redelivered=bool(redelivered)
         )
@@ -776,7 +822,6 @@ def process_event(
             return Processed(False, None)
         if delivery.parked:
             _reject_parked(event, name, topic_value, delivery.count)
-    over_limit = delivery is not None and delivery.count > limit
     committed: list[bool] = []
 
     try:
@@ -784,7 +829,11 @@ def process_event(
             # Registered first, so it runs first among the commit hooks: once it has run, the
             # transaction has committed, whatever a later hook raises.
             transaction.on_commit(lambda: committed.append(True), using=alias)
-            if first:
+            if travels:
+                delivery, state = _count_and_reserve(
+                    event, name, topic_value, ttl, alias, redelivered=bool(redelivered)
+                )
+            elif first:
                 state = _reserve_first_delivery(event, name, topic_value, ttl, alias)
             else:
                 reserved = try_reserve(event, name, topic=topic_value, ttl=ttl, using=alias)
@@ -792,7 +841,9 @@ def process_event(
             if state == PROCESSED:
                 applied = False
                 result = None
-            elif state == PARKED or over_limit:
+            elif state == PARKED or (
+                delivery is not None and (delivery.parked or delivery.count > limit)
+            ):
                 raise _ParkInstead
             else:
                 applied = True
@@ -801,8 +852,10 @@ def process_event(
                     _clear_error(delivery, alias)
     except _ParkInstead:
         if delivery is None:  # a first delivery found the event parked: counted, refused
-            counted = _count_skipped(event, name, topic_value, ttl, alias)
-            _reject_parked(event, name, topic_value, None if counted is None else counted.count)
+            delivery = _count_skipped(event, name, topic_value, ttl, alias)
+            _reject_parked(event, name, topic_value, None if delivery is None else delivery.count)
+        if delivery.parked:  # counted with the reservation, which it rolled back
+            _reject_parked(event, name, topic_value, delivery.count)
         _park_and_raise(delivery, limit, alias)
     except BaseException as exc:
         if isinstance(exc, Exception):

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from django.db import connections, models, transaction
 from django.db.models import Q
 
+from django_idempotency import partitioning
 from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import MAX_BATCH_SIZE, conf
 from django_idempotency.reports import PurgeResult, TableStats
@@ -244,8 +245,6 @@ class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
         max_seconds: float | None = None,
         dry_run: bool = False,
     ) -> PurgeResult:
-        from django_idempotency import partitioning
-
         alias = self._alias()
         if not partitioning.is_partitioned(alias):
             return super().delete_expired(batch_size, max_seconds, dry_run)

@@ -35,12 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from django.apps import apps
 from django.core.exceptions import ImproperlyConfigured
 from django.db import OperationalError, connections, transaction
 from django.db.backends.utils import CursorWrapper
+from django.db.models import Model
 
 from django_idempotency.conf import PARTITION_INTERVALS, conf
-from django_idempotency.models import ProcessedEvent
 from django_idempotency.reports import MaintenanceResult, PurgeResult
 
 PARTITION_COLUMN = "occurred_at"
@@ -155,9 +156,14 @@ class Partition:
         return self.start is not None and self.end is not None
 
 
-def _table() -> str:
+def _processed_event() -> type[Model]:
+    """The ``ProcessedEvent`` model, from the app registry: this module is imported by
+    :mod:`django_idempotency.managers`, which the models import, so it imports no model."""
+    return apps.get_model("django_idempotency", "ProcessedEvent")
 
-    return ProcessedEvent._meta.db_table
+
+def _table() -> str:
+    return _processed_event()._meta.db_table
 
 
 def require_postgresql(alias: str) -> None:
@@ -298,7 +304,7 @@ def convert(
     width = _interval(interval)
     connection = connections[alias]
     q = connection.ops.quote_name
-    meta = ProcessedEvent._meta
+    meta = _processed_event()._meta
     table, new = meta.db_table, f"{meta.db_table}__partitioned"
     pk = meta.pk.column if meta.pk else "id"
     columns = [field.column for field in meta.concrete_fields]
@@ -380,7 +386,7 @@ def revert(alias: str, lock_timeout: str = "10s") -> int:
     require_postgresql(alias)
     connection = connections[alias]
     q = connection.ops.quote_name
-    meta = ProcessedEvent._meta
+    meta = _processed_event()._meta
     table, old = meta.db_table, f"{meta.db_table}__partitioned"
     pk = meta.pk.column if meta.pk else "id"
     unique = _unique_constraint_name()
@@ -404,7 +410,7 @@ def revert(alias: str, lock_timeout: str = "10s") -> int:
         cursor.execute("SELECT nextval(%s)", [q(sequence + "__p")])
         next_id = cursor.fetchone()[0]
         with connection.schema_editor(atomic=False) as editor:
-            editor.create_model(ProcessedEvent)
+            editor.create_model(_processed_event())
         cursor.execute(
             f"INSERT INTO {q(table)} ({columns}) "
             f"SELECT DISTINCT ON ({q('consumer')}, {q('event_id')}) {columns} FROM {q(old)} "
@@ -422,7 +428,7 @@ def revert(alias: str, lock_timeout: str = "10s") -> int:
 def _column(field_name: str) -> str:
     from django.db.models import Field
 
-    field = ProcessedEvent._meta.get_field(field_name)
+    field = _processed_event()._meta.get_field(field_name)
     if not isinstance(field, Field) or field.column is None:
         raise ImproperlyConfigured(f"ProcessedEvent.{field_name} is not a column.")
     return field.column
@@ -431,7 +437,7 @@ def _column(field_name: str) -> str:
 def _unique_constraint_name() -> str:
     from django.db.models import UniqueConstraint
 
-    for constraint in ProcessedEvent._meta.constraints:
+    for constraint in _processed_event()._meta.constraints:
         if isinstance(constraint, UniqueConstraint) and set(constraint.fields) == {
             "consumer",
             "event_id",
@@ -647,7 +653,7 @@ def purge_row_partitions(
     :func:`drop_expired_partitions`.
     """
 
-    label = ProcessedEvent._meta.label
+    label = _processed_event()._meta.label
     started = time.monotonic()
     connection = connections[alias]
     q = connection.ops.quote_name

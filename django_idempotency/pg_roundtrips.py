@@ -11,6 +11,9 @@ reservation), so both can ride along with them, in one simple-protocol query:
   ``BEGIN`` of its own.
 * :func:`execute_last` sends ``<statement>; COMMIT`` when leaving the atomic block would commit
   next (:func:`commit_travels`), so that Django's commit finds nothing left to send.
+* :func:`execute_apart_first` sends ``BEGIN; <statement>; COMMIT; BEGIN; <statement>``: a
+  statement that must commit on its own before the transaction (a consumer's delivery count),
+  then the transaction's first statement.
 
 Nothing here changes what the transaction does: the same statements run in the same
 transaction, on the same connection, in the same order. Whenever a condition is not met (another
@@ -155,7 +158,7 @@ def execute_first(connection: BaseDatabaseWrapper, sql: str, params: Sequence[An
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
-    return _travel(connection, sql, params, begin=begin)
+    return _travel(connection, sql, params, begin=begin)[0]
 
 
 def execute_last(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any]) -> Rows:
@@ -171,7 +174,59 @@ def execute_last(connection: BaseDatabaseWrapper, sql: str, params: Sequence[Any
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall()) if cursor.description else []
-    return _travel(connection, sql, params, commit=True)
+    return _travel(connection, sql, params, commit=True)[0]
+
+
+def apart_may_travel(connection: BaseDatabaseWrapper) -> bool:
+    """Whether :func:`execute_apart_first` will be able to send its two statements in one round
+    trip in the ``atomic`` block that the caller is about to enter: PostgreSQL with psycopg 3
+    binding on the client, and no atomic block open (so the block entered next is the only one,
+    and nothing runs in it before the statements). It connects, and runs the connection's
+    health check, now rather than inside the block."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return False
+    psycopg = _psycopg()
+    if psycopg is None:
+        return False
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    raw = connection.connection
+    return (
+        isinstance(raw, psycopg.connection)
+        and issubclass(raw.cursor_factory, psycopg.client_cursor)
+        and raw.read_only is None
+        and raw.deferrable is None
+        and raw.pgconn.transaction_status == psycopg.idle
+    )
+
+
+def execute_apart_first(
+    connection: BaseDatabaseWrapper,
+    apart: tuple[str, Sequence[Any]],
+    first: tuple[str, Sequence[Any]],
+) -> tuple[Rows, Rows] | None:
+    """Commit the statement ``apart`` in a transaction of its own, then open the transaction of
+    the current atomic block with the statement ``first``, in one round trip: ``BEGIN; <apart>;
+    COMMIT; BEGIN; <first>``. Returns the rows of each. ``apart`` runs at the server's default
+    isolation level, as in autocommit; ``first`` at the block's.
+
+    The block must be the only one open, and nothing may have run in it yet
+    (:func:`apart_may_travel` says so before the block is entered); otherwise nothing is sent
+    and None is returned. ``apart`` commits, flushed like any commit, before ``first`` runs. If
+    ``apart`` fails, nothing else runs; if ``first`` fails, ``apart`` stays committed. Either way
+    the transaction is left failed, and leaving the atomic block rolls it back.
+    """
+    if len(connection.atomic_blocks) != 1 or not connection.commit_on_exit:
+        return None
+    begin = begin_statement(connection)
+    if begin is None:
+        return None
+    # A plain BEGIN for the statement apart: it runs at the server's default isolation level,
+    # as it would in autocommit; the block's own level goes into the second BEGIN.
+    sql = f"{apart[0]}; COMMIT; {begin}; {first[0]}"
+    params = [*apart[1], *first[1]]
+    counted, _, _, opened = _travel(connection, sql, params, begin="BEGIN", statements=4)
+    return counted, opened
 
 
 def _travel(
@@ -181,16 +236,20 @@ def _travel(
     *,
     begin: str | None = None,
     commit: bool = False,
-) -> Rows:
-    """Send the statement with its ``BEGIN`` or ``COMMIT``, as a Django cursor would send it.
+    statements: int = 1,
+) -> list[Rows]:
+    """Send ``sql`` (``statements`` statements) with its ``BEGIN`` or ``COMMIT``, as a Django
+    cursor would send it, and return the rows of each of its statements.
 
-    An error is raised as a Django cursor raises it: the ``django.db`` exception, caused by
-    psycopg's exception for the error's SQLSTATE. A failed statement leaves the transaction open
-    and failed, as any failed statement does, and leaving the atomic block rolls it back.
+    The connection's execute wrappers see ``sql`` and ``params``, and may change them; the
+    ``BEGIN`` and the ``COMMIT`` are added around what they pass on. An error is raised as a
+    Django cursor raises it: the ``django.db`` exception, caused by psycopg's exception for the
+    error's SQLSTATE. A failed statement leaves the transaction open and failed, as any failed
+    statement does, and leaving the atomic block rolls it back.
     """
 
-    def execute(sql: str, params: Any, many: bool, context: dict[str, Any]) -> Rows:
-        return _send(connection, sql, params, begin, commit)
+    def execute(sql: str, params: Any, many: bool, context: dict[str, Any]) -> list[Rows]:
+        return _send(connection, sql, params, begin, commit, statements)
 
     if not connection.execute_wrappers:
         return execute(sql, list(params), False, {})
@@ -200,15 +259,20 @@ def _travel(
     for wrapper in reversed(connection.execute_wrappers):
         executor = partial(wrapper, executor)
     with connection.cursor() as cursor:
-        rows: Rows = executor(
+        rows: list[Rows] = executor(
             sql, list(params), False, {"connection": connection, "cursor": cursor}
         )
     return rows
 
 
 def _send(
-    connection: BaseDatabaseWrapper, sql: str, params: Any, begin: str | None, commit: bool
-) -> Rows:
+    connection: BaseDatabaseWrapper,
+    sql: str,
+    params: Any,
+    begin: str | None,
+    commit: bool,
+    statements: int,
+) -> list[Rows]:
     psycopg = _psycopg()
     assert psycopg is not None
     raw = connection.connection
@@ -227,17 +291,19 @@ def _send(
         for result in results:
             if result.status not in psycopg.ok:
                 raise _error(psycopg, result, encoding)
-        expected = 1 + (begin is not None) + commit
+        expected = (begin is not None) + statements + commit
         if len(results) != expected:
             raise psycopg.programming_error(
                 f"expected {expected} results from {query[:200]!r}, got {len(results)}"
             )
-    answer = results[1 if begin else 0]
-    if answer.status != psycopg.tuples_ok:
-        return []
     transformer = psycopg.transformer.from_context(raw)
-    transformer.set_pgresult(answer)
-    rows: Rows = transformer.load_rows(0, answer.ntuples, tuple)
+    rows: list[Rows] = []
+    for answer in results[begin is not None :][:statements]:
+        if answer.status != psycopg.tuples_ok:
+            rows.append([])
+            continue
+        transformer.set_pgresult(answer)
+        rows.append(transformer.load_rows(0, answer.ntuples, tuple))
     return rows
 
 

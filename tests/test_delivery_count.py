@@ -11,12 +11,14 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import connection, connections, transaction
+from django.db import OperationalError, connection, connections, transaction
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
 from django_idempotency import new_event_id
 from django_idempotency.events import process_event
@@ -71,10 +73,11 @@ def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
         assert sent[2].startswith("SELECT")
         counted = 3
     elif connection.vendor == "postgresql":
-        # One call of the count function (migration 0006), then one of the reservation's.
+        # One query: the count function (migration 0006) commits apart, then the reservation's
+        # opens the business transaction (tests/test_pg_roundtrips.py counts the round trips).
         assert sent[0].startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
-        assert sent[1].startswith(f"SELECT {RESERVE_FUNCTION}(")
-        counted = 1
+        assert f"); COMMIT; BEGIN; SELECT {RESERVE_FUNCTION}(" in sent[0]
+        counted = 0
     else:
         # One statement: counted only WHERE NOT EXISTS the processed event.
         assert sent[0].startswith(f"INSERT INTO {delivery_table()}")
@@ -90,7 +93,7 @@ def test_a_first_delivery_counts_then_reserves_then_applies() -> None:
 
 @pytest.mark.pooler
 @pytest.mark.django_db(transaction=True)
-def test_a_duplicate_is_one_statement_that_writes_nothing() -> None:
+def test_a_duplicate_writes_nothing() -> None:
     deliver()
     before = EventDelivery.objects.get()
     received: list[dict[str, Any]] = []
@@ -106,15 +109,21 @@ def test_a_duplicate_is_one_statement_that_writes_nothing() -> None:
         event_duplicate.disconnect(receiver)
 
     assert (outcome.applied, outcome.result) == (False, None)
-    # Not even a BEGIN or a COMMIT: the count's own statement found the processed event.
     sent = [str(query["sql"]) for query in queries.captured_queries]
-    assert len(sent) == 1, sent
-    if connection.vendor == "mysql":
-        assert sent[0].startswith(f"SELECT 1 FROM {processed_table()}")
-    elif connection.vendor == "postgresql":
-        assert sent[0].startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
+    if connection.vendor == "postgresql":
+        # The query that counts and reserves: both found the processed event. It opened the
+        # business transaction, which commits having written nothing.
+        assert sent == ["BEGIN", sent[1], "COMMIT"], sent
+        assert sent[1].startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
+        assert f"; COMMIT; BEGIN; SELECT {RESERVE_FUNCTION}(" in sent[1]
     else:
-        assert "WHERE NOT EXISTS" in sent[0]
+        # Not even a BEGIN or a COMMIT: the count's own statement found the processed event.
+        assert len(sent) == 1, sent
+        if connection.vendor == "mysql":
+            assert sent[0].startswith(f"SELECT 1 FROM {processed_table()}")
+        else:
+            assert "WHERE NOT EXISTS" in sent[0]
+    assert ProcessedEvent.objects.count() == 1
     after = EventDelivery.objects.get()
     assert (after.deliveries, after.last_delivered_at) == (1, before.last_delivered_at)
     assert Effect.objects.count() == 1
@@ -176,10 +185,11 @@ def test_the_async_count_leaves_the_business_commit_synchronous() -> None:
     with override_settings(IDEMPOTENCY=ASYNC), CaptureQueriesContext(connection) as queries:
         assert process_event("ledger", "evt", body).applied
 
-    count = str(queries.captured_queries[0]["sql"])
+    count = next(str(q["sql"]) for q in queries.captured_queries if COUNT_FUNCTION in q["sql"])
     # The function's last argument: it runs set_config('synchronous_commit', 'off', true).
-    assert count.startswith(f"SELECT * FROM {COUNT_FUNCTION}(") and count.endswith(", true)")
-    # Scoped to the count's own autocommit transaction: the effect's COMMIT waits on its flush
+    assert count.startswith(f"SELECT * FROM {COUNT_FUNCTION}(")
+    assert ", true); COMMIT; BEGIN; " in count
+    # Scoped to the count's own transaction: the effect's COMMIT waits on its flush
     # (and so makes the count durable with it), and the session is left as it was.
     assert seen == ["on"]
     assert synchronous_commit() == "on"
@@ -207,7 +217,49 @@ def test_inside_an_outer_transaction_the_count_is_never_asynchronous() -> None:
 def test_by_default_the_count_commits_synchronously() -> None:
     _, sent = deliver()
     assert "set_config" not in sent[0]
-    assert sent[0].endswith(", false)")
+    assert ", false); COMMIT; BEGIN; " in sent[0]
+
+
+@pytest.mark.postgres
+@pytest.mark.mysql
+@pytest.mark.django_db(transaction=True)
+def test_the_count_stays_committed_when_the_reservation_fails() -> None:
+    """The count commits before the reservation runs: here the reservation waits on another
+    transaction that holds the event, and gives up (``lock_timeout``), so nothing is applied;
+    the delivery is counted all the same, and the next one counts as the second."""
+    other = connections.create_connection(connection.alias)
+    try:
+        with other.cursor() as cursor:
+            # Another delivery holds the event: its reservation is not committed yet.
+            other.set_autocommit(False)
+            cursor.execute(
+                f"INSERT INTO {processed_table()} (consumer, event_id, topic, processed_at, "
+                "expires_at) VALUES (%s, %s, '', %s, %s)",
+                ["ledger", "evt", timezone.now(), timezone.now() + timedelta(days=1)],
+            )
+        with connection.cursor() as cursor:
+            if connection.vendor == "mysql":
+                cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+            else:
+                cursor.execute("SET lock_timeout = '200ms'")
+        try:
+            with pytest.raises(OperationalError):
+                process_event("ledger", "evt", apply_effect)
+        finally:
+            with connection.cursor() as cursor:
+                if connection.vendor == "mysql":
+                    cursor.execute("SET SESSION innodb_lock_wait_timeout = DEFAULT")
+                else:
+                    cursor.execute("RESET lock_timeout")
+        assert EventDelivery.objects.get().deliveries == 1
+        assert not Effect.objects.exists()
+        other.rollback()  # the other delivery failed
+    finally:
+        other.close()
+
+    outcome, _ = deliver()
+    assert outcome.applied is True
+    assert EventDelivery.objects.get().deliveries == 2
 
 
 # --- redelivered: what the broker says of a message ----------------------------------------------

@@ -21,9 +21,15 @@ from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import try_reserve
 from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.events import process_event
 from django_idempotency.fingerprint import fingerprint
-from django_idempotency.models import IdempotencyRecord, ProcessedEvent
-from django_idempotency.pg_roundtrips import begin_statement, execute_first
+from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
+from django_idempotency.pg_roundtrips import (
+    apart_may_travel,
+    begin_statement,
+    execute_apart_first,
+    execute_first,
+)
 from testproject.shop.models import Effect
 
 pytestmark = pytest.mark.postgres
@@ -314,3 +320,100 @@ def test_a_large_response_travels_whole_with_its_commit() -> None:
 
     assert queries[-1].startswith(STORE) and queries[-1].endswith("; COMMIT")
     assert isinstance(again, Replay) and again.body == body
+
+
+# --- a statement committed apart, then the transaction's first --------------------------------
+
+COUNT = "SELECT * FROM django_idempotency_count_v1("
+INSERT_APART = "INSERT INTO shop_effect (name, payload, created_at) VALUES (%s, '', now())"
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db(transaction=True)
+def test_a_counted_delivery_is_three_round_trips_as_the_effect_alone_and_a_duplicate_two() -> None:
+    def apply() -> None:
+        Effect.objects.create(name="counted")
+
+    with sent() as alone, transaction.atomic():
+        apply()
+    with sent() as first:
+        assert process_event("ledger", "evt", apply).applied is True
+    with sent() as duplicate:
+        assert process_event("ledger", "evt", apply).applied is False
+
+    assert alone == ["BEGIN", alone[1], "COMMIT"], alone
+    # The count commits apart, then the reservation opens the business transaction: one round
+    # trip where two were, so a counted delivery makes as many as the effect alone.
+    assert len(first) == 3, first
+    assert first[0].startswith(f"BEGIN; {COUNT}"), first[0]
+    assert f"); COMMIT; BEGIN; {RESERVE}" in first[0], first[0]
+    assert first[1].startswith('INSERT INTO "shop_effect"') and first[2] == "COMMIT", first
+    # A duplicate learns it from that same round trip, then ends a transaction that wrote nothing.
+    assert len(duplicate) == 2 and duplicate[0].startswith(f"BEGIN; {COUNT}"), duplicate
+    assert duplicate[1] == "COMMIT"
+    assert EventDelivery.objects.get().deliveries == 1
+    assert ProcessedEvent.objects.count() == 1 and Effect.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_statement_apart_stays_committed_when_the_first_fails() -> None:
+    calls: list[str] = []
+
+    def wrapper(execute: Any, sql: str, params: Any, many: bool, context: dict[str, Any]) -> Any:
+        calls.append(sql)
+        return execute(sql, params, many, context)
+
+    with (
+        connection.execute_wrapper(wrapper),
+        pytest.raises(DataError),
+        transaction.atomic(),
+    ):
+        execute_apart_first(connection, (INSERT_APART, ["apart"]), ("SELECT 1 / %s", [0]))
+
+    assert list(Effect.objects.values_list("name", flat=True)) == ["apart"]
+    # The wrappers see the query without its leading BEGIN, as for a statement that opens one.
+    assert calls == [f"{INSERT_APART}; COMMIT; BEGIN; SELECT 1 / %s"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_failed_statement_apart_stops_the_query() -> None:
+    import psycopg
+
+    with pytest.raises(DataError), transaction.atomic():
+        execute_apart_first(connection, ("SELECT 1 / %s", [0]), (INSERT_APART, ["first"]))
+
+    assert not Effect.objects.exists()
+    assert connection.connection.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_statement_apart_runs_at_the_servers_isolation_level() -> None:
+    """As it would in autocommit; the block's own level goes into the block's BEGIN."""
+    import psycopg
+
+    level = "SELECT current_setting('transaction_isolation')"
+    connection.ensure_connection()
+    raw = connection.connection
+    raw.isolation_level = psycopg.IsolationLevel.SERIALIZABLE
+    try:
+        with sent() as queries, transaction.atomic():
+            rows = execute_apart_first(connection, (level, []), (level, []))
+    finally:
+        raw.isolation_level = None
+
+    assert rows == ([("read committed",)], [("serializable",)])
+    assert queries[0] == f"BEGIN; {level}; COMMIT; BEGIN ISOLATION LEVEL SERIALIZABLE; {level}"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_nothing_travels_apart_once_a_block_is_open_or_a_statement_ran() -> None:
+    apart, first = ("SELECT 1", []), ("SELECT 2", [])
+    assert apart_may_travel(connection) is True
+    with transaction.atomic():
+        assert apart_may_travel(connection) is False  # a count here would join the block
+        with transaction.atomic():
+            assert execute_apart_first(connection, apart, first) is None
+        Effect.objects.create(name="ran")
+        assert execute_apart_first(connection, apart, first) is None
+    with transaction.atomic():
+        assert execute_apart_first(connection, apart, first) == ([(1,)], [(2,)])
