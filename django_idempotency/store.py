@@ -138,6 +138,17 @@ def advisory_lock_id(owner: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
+PATH_LENGTH = 2000
+"""``IdempotencyRecord.path``'s ``max_length``."""
+
+
+def stored_path(path: str) -> str:
+    """The request path as the record keeps it (for the admin and the logs): a NUL character,
+    which a path may carry (``%00``) and a PostgreSQL text column cannot, written back as
+    ``%00``, then cut to the column's length. The fingerprint, not this, tells requests apart."""
+    return path.replace("\x00", "%00")[:PATH_LENGTH]
+
+
 def _seconds(duration: timedelta | None) -> float | None:
     return None if duration is None else duration.total_seconds()
 
@@ -181,7 +192,7 @@ class RecordStore:
         completed, in the same transaction (``ClaimResult.deferred``; migration
         ``0008_write_once``).
         """
-        values = ClaimValues(owner, key, fingerprint, method, path[:2000], token, ttl, lease)
+        values = ClaimValues(owner, key, fingerprint, method, stored_path(path), token, ttl, lease)
         vendor = self.connection.vendor
         for _ in range(3):
             if vendor == "postgresql":

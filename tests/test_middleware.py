@@ -170,3 +170,15 @@ def test_a_path_without_a_view_is_handled_too(client: Client) -> None:
     again = post(client, "/probe/mw/no-such-page/", "k")
     assert first.status_code == again.status_code == 404
     assert again["Idempotent-Replayed"] == "true"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_path_with_a_nul_character_is_answered_and_kept_as_sent(client: Client) -> None:
+    """``%00`` in a path decodes to NUL, which a PostgreSQL text column refuses: the claim
+    raised there, and the client got a 500. The record keeps it written back as ``%00``."""
+    first = post(client, "/probe/mw/a%00b/", "k")
+    again = post(client, "/probe/mw/a%00b/", "k")
+
+    assert first.status_code == again.status_code == 404
+    assert again["Idempotent-Replayed"] == "true"
+    assert IdempotencyRecord.objects.get().path == "/probe/mw/a%00b/"
