@@ -139,13 +139,23 @@ def _reserve_all(ids: list[str], consumer: str) -> None:
             try_reserve(event_id, consumer)
 
 
+BLOCK = 25
+"""Events a row runs in one turn: the rows take turns block by block, so that a burst of outside
+load (two shared cores) hits every row alike instead of whichever row ran at that moment."""
+
+
 def run(events: int, rounds: int) -> dict[str, Any]:
     _setup()
+    from django.db import connection
+
     from bench.benchproject.middleware import StatementCounter
+    from bench.micro import _backend_cpu_reader
+    from django_idempotency.conf import conf
 
     rows = build_rows()
     names = list(rows)
-    duplicates = [str(uuid.uuid4()) for _ in range(events * rounds)]
+    # One more event per round than is timed: its statements are counted, untimed.
+    duplicates = [str(uuid.uuid4()) for _ in range((events + 1) * rounds)]
     errors: dict[str, str] = {}
     if "duplicate (try_reserve)" in rows:
         _reserve_all(duplicates, CONSUMER)
@@ -163,33 +173,49 @@ def run(events: int, rounds: int) -> dict[str, Any]:
                         handle(str(uuid.uuid4()))
             except Exception as exc:  # noqa: BLE001 - reported as the row's error
                 errors[name] = f"{type(exc).__name__}: {exc}"
+    backend_cpu = _backend_cpu_reader(connection, pooled=False)
+    perf_counter, thread_time = time.perf_counter, time.thread_time
+    live = [name for name in names if name not in errors]
     for round_no in range(rounds):
-        shift = round_no % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name in errors:
-                continue
+        shift = round_no % len(live)
+        order = live[shift:] + live[:shift]
+        batches: dict[str, list[str]] = {}
+        for name in order:
             handle, kind = rows[name]
             if kind == "new":
-                ids = [str(uuid.uuid4()) for _ in range(events)]
+                batches[name] = [str(uuid.uuid4()) for _ in range(events + 1)]
             else:
-                ids = duplicates[round_no * events : (round_no + 1) * events]
-            latencies = []
-            with _row_settings(name):
-                began = time.perf_counter()
-                for event_id in ids:
-                    t0 = time.perf_counter()
-                    with StatementCounter().counting() as counter:
+                batches[name] = duplicates[round_no * (events + 1) : (round_no + 1) * (events + 1)]
+            # Statements and commits of one more event, untimed (the counter costs time).
+            with _row_settings(name), StatementCounter().counting() as counter:
+                handle(batches[name].pop())
+            statements[name][counter.count] += 1
+            commits[name][counter.commits] += 1
+        latencies: dict[str, list[float]] = {name: [] for name in order}
+        client = dict.fromkeys(order, 0.0)
+        server = dict.fromkeys(order, 0)
+        for start in range(0, events, BLOCK):
+            for name in order:
+                handle = rows[name][0]
+                with _row_settings(name):
+                    conf.ASYNC_DELIVERY_COUNT  # noqa: B018 - settings parsed before the clock
+                    for event_id in batches[name][start : start + BLOCK]:
+                        before = backend_cpu()
+                        cpu = thread_time()
+                        began = perf_counter()
                         handle(event_id)
-                    latencies.append(time.perf_counter() - t0)
-                    statements[name][counter.count] += 1
-                    commits[name][counter.commits] += 1
-                elapsed = time.perf_counter() - began
-            latencies.sort()
+                        latencies[name].append(perf_counter() - began)
+                        client[name] += thread_time() - cpu
+                        server[name] += backend_cpu() - before
+        for name in order:
+            done = sorted(latencies[name])
             per_round[name].append(
                 {
-                    "events_per_s": round(len(ids) / elapsed, 1),
-                    "p50_ms": round(latencies[len(latencies) // 2] * 1000, 3),
-                    "p99_ms": round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 3),
+                    "events_per_s": round(len(done) / sum(done), 1),
+                    "p50_ms": round(done[len(done) // 2] * 1000, 3),
+                    "p99_ms": round(done[int(len(done) * 0.99) - 1] * 1000, 3),
+                    "client_cpu_us": round(client[name] * 1e6 / len(done), 1),
+                    "server_cpu_us": round(server[name] / 1e3 / len(done), 1),
                 }
             )
     out_rows = []
@@ -205,6 +231,8 @@ def run(events: int, rounds: int) -> dict[str, Any]:
             entry["statements"] = statements[name].most_common(1)[0][0]
             entry["statements_histogram"] = {str(k): v for k, v in statements[name].items()}
             entry["commits"] = commits[name].most_common(1)[0][0]
+            cpu = [r["client_cpu_us"] + r["server_cpu_us"] for r in per_round[name]]
+            entry["cpu_us_per_event"] = round(statistics.median(cpu), 1)
             if alone and name != "effect alone":
                 pairs = zip(per_round[name], alone, strict=True)
                 entry["ratio_to_effect_alone"] = round(
@@ -217,8 +245,21 @@ def run(events: int, rounds: int) -> dict[str, Any]:
                     ),
                     3,
                 )
+                entry["cpu_ratio_to_effect_alone"] = round(
+                    statistics.median(
+                        (a["client_cpu_us"] + a["server_cpu_us"])
+                        / (b["client_cpu_us"] + b["server_cpu_us"])
+                        for a, b in zip(per_round[name], alone, strict=True)
+                    ),
+                    3,
+                )
         out_rows.append(entry)
-    return {"events_per_round": events, "rounds": rounds, "rows": out_rows}
+    return {
+        "events_per_round": events,
+        "rounds": rounds,
+        "cpu_measured": "client+server" if backend_cpu() else "client",
+        "rows": out_rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,8 +30,10 @@ from __future__ import annotations
 import logging
 import select
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from functools import cache, partial
 from typing import Any
 
@@ -276,13 +278,15 @@ def _send(
     psycopg = _psycopg()
     assert psycopg is not None
     raw = connection.connection
-    statement = psycopg.client_cursor(raw).mogrify(sql, params)
-    query = f"{begin}; {statement}" if begin else statement
-    if commit:
-        query += "; COMMIT"
     encoding = raw.info.encoding
     started = time.monotonic()
     with connection.wrap_database_errors:
+        statement = _merged(raw, sql, params)
+        if statement is None:  # psycopg's errors too are raised as Django's
+            statement = psycopg.client_cursor(raw).mogrify(sql, params)
+        query = f"{begin}; {statement}" if begin else statement
+        if commit:
+            query += "; COMMIT"
         results = _exchange(raw.pgconn, query.encode(encoding))
         if connection.queries_logged:
             # As Django logs them: the BEGIN apart (Django logs the block's own), the COMMIT
@@ -305,6 +309,57 @@ def _send(
         transformer.set_pgresult(answer)
         rows.append(transformer.load_rows(0, answer.ntuples, tuple))
     return rows
+
+
+def _merged(raw: Any, sql: str, params: Any) -> str | None:
+    """``sql`` with ``params`` merged in as SQL literals, as psycopg's ``ClientCursor.mogrify``
+    merges them, for the types that the app's own statements pass; None for anything else, and
+    psycopg's ``mogrify`` does it.
+
+    psycopg's adaptation machinery costs about 4 µs a parameter, and a statement of the app has
+    up to 13: this writes the same literals directly. It serves a UTF-8 connection with
+    ``standard_conforming_strings`` on (where a string literal's only special character is the
+    quote) and ``sql`` whose only placeholders are ``%s``. A string that contains NUL, a naive
+    datetime, or any other type is left to psycopg, which raises or adapts as it always does.
+    ``tests/test_pg_roundtrips.py`` checks every case against what psycopg sends.
+    """
+    # Only "%s" placeholders, one per parameter: no "%%", "%b", "%(name)s".
+    if type(params) is not list or not sql.count("%") == sql.count("%s") == len(params):
+        return None
+    pgconn = raw.pgconn
+    if raw.info.encoding != "utf-8":
+        return None
+    if pgconn.parameter_status(b"standard_conforming_strings") != b"on":
+        return None
+    literals: list[str] = []
+    for value in params:
+        kind = type(value)
+        if kind is str:
+            if "\x00" in value:
+                return None
+            literals.append("'" + value.replace("'", "''") + "'")
+        elif kind is int:
+            # A space before a minus, as psycopg writes it: "1 -%s" must not become a comment.
+            literals.append(str(value) if value >= 0 else f" {value}")
+        elif value is None:
+            literals.append("NULL")
+        elif kind is bool:
+            literals.append("true" if value else "false")
+        elif kind is datetime:
+            if value.utcoffset() is None:
+                return None
+            literals.append(f"'{value.isoformat(' ')}'::timestamptz")
+        elif kind is uuid.UUID:
+            literals.append(f"'{value}'::uuid")
+        elif kind is bytes:
+            literals.append(f"'\\x{value.hex()}'::bytea")
+        elif kind is timedelta:
+            if pgconn.parameter_status(b"IntervalStyle") != b"postgres":
+                return None
+            literals.append("'" + str(value).replace(",", "") + "'::interval")
+        else:
+            return None
+    return sql % tuple(literals)
 
 
 def _exchange(pgconn: Any, query: bytes) -> list[Any]:

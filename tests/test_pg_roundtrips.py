@@ -13,6 +13,8 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from datetime import timezone as dt_timezone
 from typing import Any
 
 import pytest
@@ -25,6 +27,7 @@ from django_idempotency.events import process_event
 from django_idempotency.fingerprint import fingerprint
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
 from django_idempotency.pg_roundtrips import (
+    _merged,
     apart_may_travel,
     begin_statement,
     execute_apart_first,
@@ -417,3 +420,91 @@ def test_nothing_travels_apart_once_a_block_is_open_or_a_statement_ran() -> None
         assert execute_apart_first(connection, apart, first) is None
     with transaction.atomic():
         assert execute_apart_first(connection, apart, first) == ([(1,)], [(2,)])
+
+
+# --- the parameters merged as psycopg merges them ---------------------------------------------
+
+MERGED = [
+    "",
+    "plain",
+    "it's",
+    "''",
+    "back\\slash",
+    "\\x41",
+    "ünïcödé ✓ 🎉",
+    "%s %% %(name)s",
+    "-- not a comment",
+    "/* nor this */ a;b",
+    "new\nline\ttab\r",
+    0,
+    1,
+    -1,
+    2**31,
+    -(2**31) - 1,
+    2**63 - 1,
+    -(2**63),
+    2**70,
+    True,
+    False,
+    None,
+    datetime(2026, 12, 1, 4, 5, 6, 789, tzinfo=UTC),
+    datetime(1, 1, 1, tzinfo=UTC),
+    datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+    datetime(2026, 6, 1, 12, tzinfo=dt_timezone(timedelta(hours=5, minutes=30))),
+    datetime(2026, 6, 1, 12, tzinfo=dt_timezone(-timedelta(hours=3, seconds=15))),
+    uuid.UUID(int=0),
+    uuid.UUID("0190f6e4-8c1d-7b3e-9a2f-5d4c3b2a1908"),
+    b"",
+    bytes(range(256)),
+    b"'\\",
+    timedelta(0),
+    timedelta(days=1),
+    timedelta(days=-1, seconds=5, microseconds=7),
+    timedelta(seconds=86399, microseconds=999999),
+    timedelta(days=3650),
+    timedelta(microseconds=-1),
+]
+
+
+@pytest.mark.pooler
+@pytest.mark.django_db
+@pytest.mark.parametrize("value", MERGED, ids=repr)
+def test_a_merged_parameter_is_what_psycopg_would_send(value: Any) -> None:
+    """The server reads the literal that ``_merged`` writes as the one psycopg's ``mogrify``
+    writes: the same type, and the same value."""
+    import psycopg
+
+    connection.ensure_connection()
+    raw = connection.connection
+    ours = _merged(raw, "%s", [value])
+    assert ours is not None
+    theirs = psycopg.ClientCursor(raw).mogrify("%s", [value])
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT pg_typeof(a)::text, pg_typeof(b)::text, a IS NOT DISTINCT FROM b, a::text "
+            f"FROM (SELECT {ours} AS a, {theirs} AS b) AS t"
+        )
+        ours_type, their_type, same, text = cursor.fetchone()
+    assert ours_type == their_type and same, (ours, theirs)
+    if isinstance(value, str):
+        assert text == value
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_is_not_merged_is_left_to_psycopg() -> None:
+    """A string with NUL (psycopg refuses it), a naive datetime, other types, and a statement
+    with placeholders other than ``%s``."""
+    connection.ensure_connection()
+    raw = connection.connection
+    for value in ("nul\x00", datetime(2026, 1, 1), 1.5, bytearray(b"x"), [1], {"a": 1}):
+        assert _merged(raw, "SELECT %s", [value]) is None, value
+    assert _merged(raw, "SELECT %s %% 2", [1]) is None
+    assert _merged(raw, "SELECT %(a)s", [1]) is None
+    assert _merged(raw, "SELECT %s, %s", [1]) is None
+    assert _merged(raw, "SELECT %s", (1,)) is None
+    assert _merged(raw, "SELECT %s, %s", ["a", 2]) == "SELECT 'a', 2"
+
+    with pytest.raises(DataError, match="NUL"), transaction.atomic():
+        execute_first(connection, "SELECT %s", ["nul\x00"])
+    with transaction.atomic():
+        assert execute_first(connection, "SELECT %s::text", [1.5]) == [("1.5",)]
