@@ -36,9 +36,12 @@ is raised, and the adapter rejects the message without requeueing it.
 
 The count is one statement that also reads the processed event: it counts the delivery only
 ``WHERE NOT EXISTS`` a :class:`~django_idempotency.models.ProcessedEvent` row, so a duplicate of a
-processed event writes nothing, opens no transaction and is answered there (duplicates are not
-counted). A first delivery still commits twice, the count and then the business transaction, and
-each commit waits on its WAL flush. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL, off by
+processed event writes nothing and is answered there (duplicates are not counted). A first
+delivery still commits twice, the count and then the business transaction, and each commit waits
+on its WAL flush. On PostgreSQL with psycopg 3 the count needs no round trip of its own: it
+commits in the same query that opens the business transaction with the reservation
+(:func:`_count_and_reserve`); elsewhere it is a statement of its own, and a duplicate opens no
+transaction. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL, off by
 default) lets the count's own statement commit without waiting on its flush: it stays visible at
 once and survives the worker's death, and the business transaction's synchronous commit flushes
 it along; only a crash of the database server in between can lose that one increment, which
@@ -761,12 +764,15 @@ def process_event(
 
     1. Count the delivery in its own committed transaction (unless ``count_deliveries`` is
        False), in one statement that counts only if the event is not processed yet: a duplicate
-       of a processed event returns ``Processed(False, None)`` right there, having written
-       nothing (logged and signalled as in step 2). An event already parked raises
-       :class:`EventParked` at once.
+       of a processed event returns ``Processed(False, None)``, having written nothing (logged
+       and signalled as in step 2). An event already parked raises :class:`EventParked`.
     2. Open ``transaction.atomic(using=...)`` and :func:`try_reserve` the event. A duplicate
        returns ``Processed(False, None)``, logs ``duplicate ignored`` and sends
        :data:`~django_idempotency.signals.event_duplicate`.
+
+       On PostgreSQL with psycopg 3, outside any transaction, steps 1 and 2 are one round trip
+       (:func:`_count_and_reserve`): the count commits, then the reservation opens the
+       transaction. A parked event's reservation is then rolled back before it is refused.
     3. If the event has been delivered more than ``max_deliveries`` times (default
        ``MAX_DELIVERIES``) and the reservation shows it was never processed, roll back, park it,
        log at ERROR, send :data:`~django_idempotency.signals.event_parked` and raise

@@ -1,5 +1,5 @@
-"""Keeps bench/eventcost.py and bench/storecost.py from rotting: they run on a scratch PostgreSQL
-database, in seconds.
+"""Keeps bench/eventcost.py, bench/storecost.py and bench/consumerfloor.py from rotting: they run
+on a scratch PostgreSQL database, in seconds.
 
 No timing is asserted; the figures are for docs/benchmarks.md (``python -m bench.eventcost``,
 ``python -m bench.storecost``).
@@ -85,3 +85,14 @@ def test_store_cost_benchmark_runs_every_row(scratch_url: str) -> None:
         "replay (claim)",
     )
     assert rows == {f"{path} {version}" for path in paths for version in ("before", "after")}
+
+
+def test_consumer_floor_benchmark_runs_every_row(scratch_url: str) -> None:
+    run_python(["-m", "bench.benchproject.prepare"], scratch_url)
+
+    out = run_python(["-m", "bench.consumerfloor", "--calls", "3", "--rounds", "2"], scratch_url)
+
+    rows = {row["row"]: row for row in json.loads(out.splitlines()[-1])["rows"]}
+    assert len(rows) == 9 and rows["effect alone"]["ratio_to_effect_alone"] == 1.0
+    for name, row in rows.items():
+        assert len(row["rounds_us"]) == 2 and row["us_per_call"] > 0, (name, row)
