@@ -281,18 +281,21 @@ def tables(results: dict[str, Any]) -> str:
             " one transaction per event)",
             "",
             "| row | events/s | p50 ms | p99 ms | SQL/event | commits/event |"
-            " events/s vs effect alone | p50 vs effect alone |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            " events/s vs effect alone | p50 vs effect alone | CPU µs/event |"
+            " CPU vs effect alone |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in consumer["rows"]:
             if "events_per_s" not in r:
-                lines.append(f"| {r['row']} | error: {r.get('error', '?')} | | | | | | |")
+                lines.append(f"| {r['row']} | error: {r.get('error', '?')} | | | | | | | | |")
                 continue
             lines.append(
                 f"| {r['row']} | {r['events_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |"
                 f" {r['statements']} | {r['commits']} |"
                 f" {_ratio(r.get('ratio_to_effect_alone'))} |"
                 f" {_ratio(r.get('p50_ratio_to_effect_alone'))} |"
+                f" {r.get('cpu_us_per_event', 0):.0f} |"
+                f" {_ratio(r.get('cpu_ratio_to_effect_alone'))} |"
             )
         lines.append("")
     purge = results.get("purge")

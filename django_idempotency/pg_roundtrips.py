@@ -16,10 +16,14 @@ reservation), so both can ride along with them, in one simple-protocol query:
   then the transaction's first statement.
 
 Nothing here changes what the transaction does: the same statements run in the same
-transaction, on the same connection, in the same order. Whenever a condition is not met (another
-driver or backend, a transaction already open, a nested block), the statement goes the usual
-way, through a Django cursor. The code uses psycopg's public API only (``Connection.pgconn``,
-``ClientCursor.mogrify``, ``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``), and it
+transaction, on the same connection, in the same order. (``execute_apart_first``'s first
+statement commits apart, as the caller asks.) Whenever a condition is not met (another driver or
+backend, a transaction already open, a nested block), the statement goes the usual way, through
+a Django cursor. The parameters are merged into the query on the client, as psycopg merges them
+for Django by default: directly for the types the app passes (:func:`_merged`), by
+``ClientCursor.mogrify`` for anything else. The code uses psycopg's public API only
+(``Connection.pgconn``, ``ConnectionInfo``, ``ClientCursor.mogrify``,
+``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``), and it
 does for the statement what a Django cursor does: the connection's health check, the execute
 wrappers (``connection.execute_wrapper``), the query log (``DEBUG``, ``CaptureQueriesContext``)
 and the translation of errors into ``django.db`` exceptions.
