@@ -508,3 +508,36 @@ def test_what_is_not_merged_is_left_to_psycopg() -> None:
         execute_first(connection, "SELECT %s", ["nul\x00"])
     with transaction.atomic():
         assert execute_first(connection, "SELECT %s::text", [1.5]) == [("1.5",)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_count_that_travels_makes_the_server_warn_of_nothing() -> None:
+    """A ``COMMIT`` that ends an implicit transaction block (no ``BEGIN`` before it) would make
+    the server warn "there is no transaction in progress", to the client and in its log, on
+    every delivery: the query opens the count's transaction explicitly."""
+    import psycopg
+
+    def apply() -> None:
+        Effect.objects.create(name="counted")
+
+    connection.ensure_connection()
+    raw = connection.connection
+    notices: list[str] = []
+
+    def notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+        notices.append(f"{diagnostic.severity}: {diagnostic.message_primary}")
+
+    raw.add_notice_handler(notice)
+    try:
+        # The handler hears what the server says on the queries that travel.
+        raw.execute("SELECT 1; COMMIT")
+        assert notices == ["WARNING: there is no transaction in progress"]
+        notices.clear()
+        with sent() as queries:
+            assert process_event("ledger", "evt", apply).applied is True
+            assert process_event("ledger", "evt", apply).applied is False
+    finally:
+        raw.remove_notice_handler(notice)
+
+    assert queries[0].startswith(f"BEGIN; {COUNT}"), queries
+    assert notices == []
