@@ -27,6 +27,7 @@ from django_idempotency.events import process_event
 from django_idempotency.fingerprint import fingerprint
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
 from django_idempotency.pg_roundtrips import (
+    _exchange,
     _merged,
     apart_may_travel,
     begin_statement,
@@ -529,8 +530,8 @@ def test_the_count_that_travels_makes_the_server_warn_of_nothing() -> None:
 
     raw.add_notice_handler(notice)
     try:
-        # The handler hears what the server says on the queries that travel.
-        raw.execute("SELECT 1; COMMIT")
+        # The handler hears what the server says to the queries that travel.
+        _exchange(raw.pgconn, b"SELECT 1; COMMIT")
         assert notices == ["WARNING: there is no transaction in progress"]
         notices.clear()
         with sent() as queries:
@@ -539,5 +540,5 @@ def test_the_count_that_travels_makes_the_server_warn_of_nothing() -> None:
     finally:
         raw.remove_notice_handler(notice)
 
-    assert queries[0].startswith(f"BEGIN; {COUNT}"), queries
     assert notices == []
+    assert queries[0].startswith(f"BEGIN; {COUNT}"), queries
