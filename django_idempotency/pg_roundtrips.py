@@ -116,9 +116,7 @@ def begin_statement(connection: BaseDatabaseWrapper) -> str | None:
     connection.close_if_health_check_failed()
     connection.validate_no_broken_transaction()
     raw = _client_binding(psycopg, connection)
-    if raw is None or raw.pgconn.transaction_status != psycopg.idle:
-        return None
-    if raw.read_only is not None or raw.deferrable is not None:
+    if raw is None or raw.pgconn.transaction_status != psycopg.idle or _set_by_hand(raw):
         return None
     level = raw.isolation_level
     return "BEGIN" if level is None else f"BEGIN ISOLATION LEVEL {level.name.replace('_', ' ')}"
@@ -145,11 +143,20 @@ def _client_binding(psycopg: _Psycopg, connection: BaseDatabaseWrapper) -> Any:
     the statements that travel do; None otherwise. Django's ``OPTIONS = {"server_side_binding":
     True}`` asks psycopg to bind on the server: such a connection keeps its statements apart."""
     raw = connection.connection
-    if not isinstance(raw, psycopg.connection) or raw.autocommit:
-        return None
-    if not issubclass(raw.cursor_factory, psycopg.client_cursor):
-        return None
-    return raw
+    return raw if _binds_on_client(psycopg, raw) and not raw.autocommit else None
+
+
+def _binds_on_client(psycopg: _Psycopg, raw: Any) -> bool:
+    """Whether ``raw`` is a psycopg 3 connection whose cursors bind on the client."""
+    return isinstance(raw, psycopg.connection) and issubclass(
+        raw.cursor_factory, psycopg.client_cursor
+    )
+
+
+def _set_by_hand(raw: Any) -> bool:
+    """Whether the connection was made read-only or deferrable by hand: its ``BEGIN`` is left
+    to psycopg."""
+    return raw.read_only is not None or raw.deferrable is not None
 
 
 # --- sending them ------------------------------------------------------------------------
@@ -198,10 +205,8 @@ def apart_may_travel(connection: BaseDatabaseWrapper) -> bool:
     connection.ensure_connection()
     raw = connection.connection
     return (
-        isinstance(raw, psycopg.connection)
-        and issubclass(raw.cursor_factory, psycopg.client_cursor)
-        and raw.read_only is None
-        and raw.deferrable is None
+        _binds_on_client(psycopg, raw)
+        and not _set_by_hand(raw)
         and raw.pgconn.transaction_status == psycopg.idle
     )
 
