@@ -18,6 +18,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def imported(node: ast.AST) -> set[str]:
+    """The package modules an import statement names; none for any other node."""
+    if isinstance(node, ast.ImportFrom) and node.module:
+        if node.module == "django_idempotency":
+            return {f"django_idempotency.{alias.name}" for alias in node.names}
+        if node.module.startswith("django_idempotency."):
+            return {node.module}
+    elif isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name.startswith("django_idempotency.")}
+    return set()
+
+
 def top_level_imports(path: Path) -> set[str]:
     """Package modules imported by the module's body (not inside functions or classes)."""
     found: set[str] = set()
@@ -26,28 +38,13 @@ def top_level_imports(path: Path) -> set[str]:
         node = pending.pop()
         if isinstance(node, (ast.If, ast.Try)):
             pending.extend(node.body + node.orelse)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "django_idempotency":
-                found.update(f"django_idempotency.{alias.name}" for alias in node.names)
-            elif node.module.startswith("django_idempotency."):
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("django_idempotency."))
+        found |= imported(node)
     return found
 
 
 def all_imports(path: Path) -> set[str]:
     """Package modules the module imports anywhere, inside functions too."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "django_idempotency":
-                found.update(f"django_idempotency.{alias.name}" for alias in node.names)
-            elif node.module.startswith("django_idempotency."):
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("django_idempotency."))
-    return found
+    return set().union(*(imported(node) for node in ast.walk(ast.parse(path.read_text()))))
 
 
 def assert_no_cycle(graph: dict[str, set[str]]) -> None:
