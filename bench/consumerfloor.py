@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from bench.eventcost import time_rows
 from bench.micro import _setup
 
 CONSUMER = "bench.consumerfloor"
@@ -141,41 +140,20 @@ def build_rows(duplicates: list[str]) -> dict[str, Callable[[str], None]]:
     return rows
 
 
+def _with_new_id(row: Callable[[str], None]) -> Callable[[], None]:
+    """The row called with a new event id each time, as bench.eventcost's rows make their own."""
+    return lambda: row(str(uuid.uuid4()))
+
+
 def run(calls: int, rounds: int) -> dict[str, Any]:
     _setup()
     warm = 20
     duplicates = [str(uuid.uuid4()) for _ in range(min((calls * rounds) + warm, DUPLICATES))]
-    rows = build_rows(duplicates)
-    names = list(rows)
+    rows = {name: _with_new_id(row) for name, row in build_rows(duplicates).items()}
     for handle in rows.values():  # warm-up: plan caches
         for _ in range(warm):
-            handle(str(uuid.uuid4()))
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for round_no in range(rounds):
-        shift = round_no % len(names)
-        order = names[shift:] + names[:shift]
-        latencies: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(calls):
-            for name in order:
-                event = str(uuid.uuid4())
-                began = time.perf_counter()
-                rows[name](event)
-                latencies[name].append(time.perf_counter() - began)
-        for name in names:
-            per_round[name].append(statistics.median(latencies[name]) * 1e6)
-    alone = per_round["effect alone"]
-    out = []
-    for name in names:
-        ratios = [a / b for a, b in zip(per_round[name], alone, strict=True)]
-        out.append(
-            {
-                "row": name,
-                "us_per_call": round(statistics.median(per_round[name]), 1),
-                "rounds_us": [round(v, 1) for v in per_round[name]],
-                "ratio_to_effect_alone": round(statistics.median(ratios), 3),
-            }
-        )
-    return {"calls_per_round": calls, "rounds": rounds, "rows": out}
+            handle()
+    return {"calls_per_round": calls, "rounds": rounds, "rows": time_rows(rows, calls, rounds)}
 
 
 def main(argv: list[str] | None = None) -> None:

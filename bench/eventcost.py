@@ -102,10 +102,19 @@ def build_rows() -> dict[str, Callable[[], Any]]:
 def run(calls: int, rounds: int) -> dict[str, Any]:
     _setup()
     rows = build_rows()
-    names = list(rows)
     for handle in rows.values():  # warm-up: the connection, imports, plan caches
         for _ in range(50):
             handle()
+    return {"calls_per_round": calls, "rounds": rounds, "rows": time_rows(rows, calls, rounds)}
+
+
+def time_rows(
+    rows: dict[str, Callable[[], Any]], calls: int, rounds: int, base: str = "effect alone"
+) -> list[dict[str, Any]]:
+    """Time every row call by call, the rows taking turns (their order rotating each round):
+    µs per call at the median of each round, and each row's ratio to ``base`` (the median of the
+    rounds' ratios)."""
+    names = list(rows)
     per_round: dict[str, list[float]] = {name: [] for name in names}
     for round_no in range(rounds):
         shift = round_no % len(names)
@@ -118,10 +127,9 @@ def run(calls: int, rounds: int) -> dict[str, Any]:
                 latencies[name].append(time.perf_counter() - began)
         for name in names:
             per_round[name].append(statistics.median(latencies[name]) * 1e6)
-    alone = per_round["effect alone"]
     out = []
     for name in names:
-        ratios = [a / b for a, b in zip(per_round[name], alone, strict=True)]
+        ratios = [a / b for a, b in zip(per_round[name], per_round[base], strict=True)]
         out.append(
             {
                 "row": name,
@@ -130,7 +138,7 @@ def run(calls: int, rounds: int) -> dict[str, Any]:
                 "ratio_to_effect_alone": round(statistics.median(ratios), 3),
             }
         )
-    return {"calls_per_round": calls, "rounds": rounds, "rows": out}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
