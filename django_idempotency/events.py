@@ -527,6 +527,7 @@ def _count_and_reserve(
 
 
 def _counted(row: tuple[Any, ...]) -> tuple[int, bool]:
+    """(deliveries, parked before) from a row of ``django_idempotency_count_v1``."""
     return int(row[0]), bool(row[1])
 
 
@@ -534,7 +535,7 @@ def _fetch_count(connection: BaseDatabaseWrapper, params: list[Any]) -> tuple[in
     with connection.cursor() as cursor:
         cursor.execute(COUNT_POSTGRESQL, params)
         row = cursor.fetchone()
-    return None if row is None else (int(row[0]), bool(row[1]))
+    return None if row is None else _counted(row)
 
 
 def _delivery_values(

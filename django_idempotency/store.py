@@ -138,7 +138,7 @@ def advisory_lock_id(owner: str, key: str) -> int:
     return int.from_bytes(digest[:8], "big", signed=True)
 
 
-PATH_LENGTH = 2000
+PATH_LENGTH: int = IdempotencyRecord._meta.get_field("path").max_length  # type: ignore[assignment]
 """``IdempotencyRecord.path``'s ``max_length``."""
 
 
