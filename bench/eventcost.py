@@ -41,7 +41,7 @@ def build_rows() -> dict[str, Callable[[], Any]]:
     from django.utils import timezone
 
     from bench.benchproject.models import Effect
-    from django_idempotency import events
+    from django_idempotency import event_store
     from django_idempotency.models import ProcessedEvent
 
     if connection.vendor != "postgresql":
@@ -69,26 +69,27 @@ def build_rows() -> dict[str, Callable[[], Any]]:
         with transaction.atomic():
             row = reservation(event)
             unique = ("consumer", "event_id")
-            if events._insert_new(connection, ProcessedEvent, row, unique=unique):
+            if event_store.insert_new(connection, ProcessedEvent, row, unique=unique):
                 effect(event)
 
     def reserve_function() -> None:
         event = str(uuid.uuid4())
         with transaction.atomic():
             row = reservation(event)
-            state = events._call_reserve(
+            state = event_store.reserve(
                 connection, CONSUMER, event, "", row["processed_at"], row["expires_at"]
             )
-            if state == events.RESERVED:
+            if state == event_store.RESERVED:
                 effect(event)
 
     def count_text() -> None:
         event = str(uuid.uuid4())
         guard = {"consumer": CONSUMER, "event_id": event}
-        events._count(connection, events._delivery_values(CONSUMER, event, "", None), guard=guard)
+        values = event_store.delivery_values(CONSUMER, event, "", DAY)
+        event_store.count(connection, values, guard=guard)
 
     def count_function() -> None:
-        events._call_count(connection, CONSUMER, str(uuid.uuid4()), "", None, 1, False)
+        event_store.call_count(connection, CONSUMER, str(uuid.uuid4()), "", DAY, 1, False)
 
     return {
         "effect alone": effect_alone,

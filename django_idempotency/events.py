@@ -7,7 +7,8 @@ the first transaction to insert the row applies the effect; every later delivery
 skips the body; a delivery whose transaction rolls back leaves no row behind, so the next delivery
 runs again.
 
-This module is the one core that decides: reserve, count, park. It offers:
+This module is the one core that decides: reserve, count, park. How each of those reads and
+writes its rows, per backend, is :mod:`django_idempotency.event_store`'s. It offers:
 
 * :func:`try_reserve`, the primitive: one insert that does nothing on conflict, inside the
   caller's ``transaction.atomic``;
@@ -40,12 +41,12 @@ processed event writes nothing and is answered there (duplicates are not counted
 delivery still commits twice, the count and then the business transaction, and each commit waits
 on its WAL flush. On PostgreSQL with psycopg 3 the count needs no round trip of its own: it
 commits in the same query that opens the business transaction with the reservation
-(:func:`_count_and_reserve`); elsewhere it is a statement of its own, and a duplicate opens no
-transaction. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL, off by
-default) lets the count's own statement commit without waiting on its flush: it stays visible at
-once and survives the worker's death, and the business transaction's synchronous commit flushes
-it along; only a crash of the database server in between can lose that one increment, which
-delays parking by one delivery (docs/consumers.md, "What a delivery costs").
+(:func:`~django_idempotency.event_store.count_and_reserve`); elsewhere it is a statement of its
+own, and a duplicate opens no transaction. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL,
+off by default) lets the count's own statement commit without waiting on its flush: it stays
+visible at once and survives the worker's death, and the business transaction's synchronous
+commit flushes it along; only a crash of the database server in between can lose that one
+increment, which delays parking by one delivery (docs/consumers.md, "What a delivery costs").
 
 When the consumer is itself called inside an outer ``transaction.atomic`` on the same database
 (eager Celery tasks inside a request or a test, a loop that batches messages in one transaction),
@@ -56,24 +57,15 @@ outside any transaction, so there the count always commits on its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
-from django.db import (
-    DatabaseError,
-    IntegrityError,
-    NotSupportedError,
-    connections,
-    transaction,
-)
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, Field, Model
+from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import event_store, signals
 from django_idempotency.conf import conf
 from django_idempotency.event_ids import (
     EVENT_ID_KEY,
@@ -84,14 +76,14 @@ from django_idempotency.event_ids import (
     new_event_id,
     normalize_event_id,
 )
+from django_idempotency.event_store import PARKED, PROCESSED, RESERVED, Delivery
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
-from django_idempotency.models import EventDelivery, ProcessedEvent
-from django_idempotency.partitioning import EventInsert, event_insert
-from django_idempotency.pg_roundtrips import apart_may_travel, execute_apart_first, execute_first
+from django_idempotency.pg_roundtrips import apart_may_travel
 
 __all__ = [
     "EVENT_ID_KEY",
     "MAX_ID_LENGTH",
+    "Delivery",
     "EventId",
     "Processed",
     "count_delivery",
@@ -106,9 +98,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-ER_DUP_ENTRY = 1062
-"""MySQL/MariaDB error number of a duplicate key, and the only one that means "already there"."""
 
 
 def __getattr__(name: str) -> Any:
@@ -194,69 +183,10 @@ def try_reserve(
             "its own and a crash before the effect would lose the event."
         )
     now = timezone.now()
-    layout = _sql_layout(connection, event, occurred_at)
-    if layout is None:
-        return _call_reserve(connection, name, event, topic_value, now, now + duration) == RESERVED
-    return _insert_new(
-        connection,
-        ProcessedEvent,
-        {
-            "consumer": name,
-            "event_id": event,
-            "topic": topic_value,
-            "processed_at": now,
-            "expires_at": now + duration,
-        },
-        unique=layout.conflict_target,
-        raw=dict(zip(layout.columns, layout.values, strict=True)),
+    state = event_store.reserve(
+        connection, name, event, topic_value, now, now + duration, occurred_at=occurred_at
     )
-
-
-def _sql_layout(
-    connection: BaseDatabaseWrapper, event: str, occurred_at: datetime | None = None
-) -> EventInsert | None:
-    """How ``event``'s rows are keyed where the reservation and the count are SQL text; None
-    where they are the functions of ``0006_event_functions`` (PostgreSQL, default layout).
-
-    The opt-in partitioned layout (``EVENT_PARTITIONS``, PostgreSQL) adds its partition column
-    to the row and to the conflict target; MariaDB and SQLite key by consumer and event id."""
-    if connection.vendor != "postgresql":
-        return DEFAULT_LAYOUT
-    layout = event_insert(event, occurred_at)
-    return layout if layout.columns else None
-
-
-DEFAULT_LAYOUT = EventInsert((), (), ("consumer", "event_id"))
-
-RESERVED, PROCESSED, PARKED = "reserved", "processed", "parked"
-"""What a reservation found: this call reserved the event, it was processed before, or (for a
-first delivery, see :func:`_reserve_first_delivery`) its delivery counter is parked."""
-
-RESERVE_POSTGRESQL = "SELECT django_idempotency_reserve_v1(%s, %s, %s, %s, %s, %s)"
-"""The reservation on PostgreSQL (default layout): a call of the function that migration
-``0006_event_functions`` creates, whose plan PostgreSQL caches per server session."""
-
-
-def _call_reserve(
-    connection: BaseDatabaseWrapper,
-    name: str,
-    event: str,
-    topic: str,
-    now: datetime,
-    expires: datetime,
-    *,
-    first_delivery: bool = False,
-) -> str:
-    """Reserve through ``django_idempotency_reserve_v1``; RESERVED, PROCESSED or PARKED.
-
-    With ``first_delivery`` the function also reads the event's delivery counter: a parked event
-    is refused (nothing inserted), and an error an earlier delivery recorded is cleared in the
-    reserving transaction, so it stays only if this delivery rolls back."""
-    # psycopg takes the datetimes as they are (Django's field preparation changes nothing on
-    # PostgreSQL, and costs a tenth of the call).
-    # Usually the first statement of the transaction: its BEGIN travels with it.
-    params = [name, event, topic, now, expires, first_delivery]
-    return str(execute_first(connection, RESERVE_POSTGRESQL, params)[0][0])
+    return state == RESERVED
 
 
 def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: str) -> str:
@@ -266,136 +196,16 @@ def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: 
     is refused (PARKED: the caller rolls the reservation back), and an error an earlier failed
     delivery left on the counter is cleared with this delivery's success. The counter is read
     after the insert, which waits for any delivery that holds the event, so it sees the error
-    a failed delivery recorded while holding it (:func:`_fail_first_delivery`). On PostgreSQL
-    (default layout) all of it is the one function call of :func:`try_reserve`; elsewhere a
-    plain read of the counter follows the insert.
+    a failed delivery recorded while holding it (:func:`_fail_first_delivery`); see
+    :func:`~django_idempotency.event_store.reserve`.
     """
-    connection = connections[alias]
-    if _sql_layout(connection, event) is None:
-        now = timezone.now()
-        return _call_reserve(
-            connection, name, event, topic, now, now + _ttl(ttl), first_delivery=True
-        )
-    if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
-        return PROCESSED
-    counter = EventDelivery.objects.using(alias).filter(consumer=name, event_id=event)
-    found = list(counter.values_list("parked_at", "last_error")[:1])
-    if found and found[0][0] is not None:
-        return PARKED
-    if found and found[0][1]:
-        counter.update(last_error="")
-    return RESERVED
-
-
-def _field(model: type[Model], name: str) -> Field[Any, Any]:
-    for field in model._meta.concrete_fields:
-        if field.name == name:
-            return field
-    raise LookupError(f"{model.__name__} has no column {name!r}.")
-
-
-def _insert_sql(
-    connection: BaseDatabaseWrapper,
-    model: type[Model],
-    values: Mapping[str, Any],
-    raw: Mapping[str, Any] | None = None,
-    *,
-    select: bool = False,
-) -> tuple[str, list[Any]]:
-    """``INSERT INTO table (columns) VALUES (...)`` with quoted names and prepared parameters.
-
-    ``values`` are keyed by model field name; ``raw`` by column name, for columns the model does
-    not declare (the partition key), with values the driver takes as they are. With ``select``,
-    ``SELECT ...`` replaces ``VALUES (...)``, so that the caller can add a ``WHERE``. The SQL
-    text is built once per backend, model and column list, then reused (:data:`_SQL`).
-    """
-    raw = raw or {}
-    cache_key = ("insert", connection.vendor, model, tuple(values), tuple(raw), select)
-    cached = _SQL.get(cache_key)
-    if cached is None:
-        quote = connection.ops.quote_name
-        fields = tuple(_field(model, name) for name in values)
-        columns = ", ".join([*(quote(field.column) for field in fields), *map(quote, raw)])
-        placeholders = ", ".join(["%s"] * (len(fields) + len(raw)))
-        rows = f"SELECT {placeholders}" if select else f"VALUES ({placeholders})"
-        text = f"INSERT INTO {quote(model._meta.db_table)} ({columns}) {rows}"
-        cached = _SQL[cache_key] = (text, fields)
-    sql, fields = cached
-    params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
-    params.extend(raw.values())
-    return sql, params
-
-
-_SQL: dict[tuple[Any, ...], Any] = {}
-"""Built SQL text (and the fields it binds), keyed by what it depends on; never by a value."""
-
-
-def _columns(connection: BaseDatabaseWrapper, model: type[Model], names: tuple[str, ...]) -> str:
-    """Quoted column names of fields (or of undeclared columns, named as they are)."""
-    declared = {field.name: field.column for field in model._meta.concrete_fields}
-    return ", ".join(connection.ops.quote_name(declared.get(name, name)) for name in names)
-
-
-def _insert_new(
-    connection: BaseDatabaseWrapper,
-    model: type[Model],
-    values: Mapping[str, Any],
-    *,
-    unique: tuple[str, ...],
-    raw: Mapping[str, Any] | None = None,
-) -> bool:
-    """Insert one row unless ``unique`` already holds; True if this call inserted it.
-
-    PostgreSQL and SQLite name the conflict target, so only that unique constraint is ignored: a
-    NOT NULL or any other error still raises (``INSERT OR IGNORE`` would hide it). On MySQL and
-    MariaDB, ``ON DUPLICATE KEY UPDATE`` cannot be counted reliably (Django sets the FOUND_ROWS
-    client flag) and ``INSERT IGNORE`` hides errors, so a plain insert runs in a savepoint and only
-    a duplicate-key error (1062) means "already there".
-    """
-    sql, params = _insert_sql(connection, model, values, raw)
-    vendor = connection.vendor
-    if vendor in ("postgresql", "sqlite"):
-        cache_key = ("insert_new", vendor, sql, unique)
-        if cache_key not in _SQL:
-            target = _columns(connection, model, unique)
-            _SQL[cache_key] = f"{sql} ON CONFLICT ({target}) DO NOTHING"
-        sql = _SQL[cache_key]
-        with connection.cursor() as cursor:
-            cursor.execute(sql, params)
-            return bool(cursor.rowcount == 1)
-    if vendor == "mysql":
-        try:
-            with transaction.atomic(using=connection.alias), connection.cursor() as cursor:
-                cursor.execute(sql, params)
-        except IntegrityError as exc:
-            if _mysql_errno(exc) == ER_DUP_ENTRY:
-                return False
-            raise
-        return True
-    raise NotSupportedError(
-        f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}."
+    now = timezone.now()
+    return event_store.reserve(
+        connections[alias], name, event, topic, now, now + _ttl(ttl), first_delivery=True
     )
 
 
-def _mysql_errno(exc: BaseException) -> int | None:
-    code = exc.args[0] if exc.args else None
-    return code if isinstance(code, int) else None
-
-
 # --- Counting deliveries (poison messages) ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """One counted delivery of an event to a consumer."""
-
-    consumer: str
-    event_id: str
-    topic: str
-    count: int
-    """How many times the event has now been delivered to this consumer, this one included."""
-    parked: bool
-    """Whether the event was parked already, before this delivery."""
 
 
 def count_delivery(
@@ -418,7 +228,8 @@ def count_delivery(
     name = checked_name("consumer name", consumer)
     topic_value = _checked_topic(topic)
     connection = connections[_alias(using)]
-    counted = _count(connection, _delivery_values(name, event, topic_value, ttl))
+    values = event_store.delivery_values(name, event, topic_value, _ttl(ttl))
+    counted = event_store.count(connection, values)
     assert counted is not None  # without a guard, every delivery is counted
     return Delivery(name, event, topic_value, *counted)
 
@@ -440,7 +251,7 @@ def _count_unless_processed(
     ``django_idempotency_count_v1`` (migration ``0006_event_functions``), planned once per server
     session. On MySQL/MariaDB a plain ``SELECT`` comes first. With ``ASYNC_DELIVERY_COUNT``
     (PostgreSQL, outside a transaction) the count commits without waiting on its WAL flush; see
-    :data:`ASYNC_COMMIT`.
+    :data:`~django_idempotency.event_store.ASYNC_COMMIT`.
 
     ``redelivered``: the broker says the event was delivered before, so a counter that is not
     there yet starts at 2: the earlier delivery was a first one, which skips its count.
@@ -449,288 +260,27 @@ def _count_unless_processed(
     guard: dict[str, Any] = {"consumer": name, "event_id": event}
     deliveries = 2 if redelivered else 1
     asynchronous = conf.ASYNC_DELIVERY_COUNT
-    layout = _sql_layout(connection, event)
+    duration = _ttl(ttl)
+    layout = event_store.sql_layout(connection, event)
     if layout is None:
-        counted = _call_count(connection, name, event, topic, ttl, deliveries, asynchronous)
+        counted = event_store.call_count(
+            connection, name, event, topic, duration, deliveries, asynchronous
+        )
         return None if counted is None else Delivery(name, event, topic, *counted)
     # The partitioned layout keys a processed event by its partition column too; the guard asks
     # what try_reserve's conflict target would find (and prunes to one partition).
     guard.update(zip(layout.columns, layout.values, strict=True))
-    values = _delivery_values(name, event, topic, ttl, deliveries)
-    counted = _count(connection, values, guard=guard, asynchronous=asynchronous)
+    values = event_store.delivery_values(name, event, topic, duration, deliveries)
+    counted = event_store.count(connection, values, guard=guard, asynchronous=asynchronous)
     return None if counted is None else Delivery(name, event, topic, *counted)
 
 
-COUNT_POSTGRESQL = "SELECT * FROM django_idempotency_count_v1(%s, %s, %s, %s, %s, %s, %s)"
-"""The guarded delivery count on PostgreSQL (default layout): a call of the function that
-migration ``0006_event_functions`` creates."""
-
-
-def _call_count(
-    connection: BaseDatabaseWrapper,
-    name: str,
-    event: str,
-    topic: str,
-    ttl: timedelta | float | None,
-    deliveries: int,
-    asynchronous: bool,
-) -> tuple[int, bool] | None:
-    """Count through ``django_idempotency_count_v1``; None if the event is processed.
-
-    Outside a transaction the call is one autocommit statement, asynchronous if asked; inside
-    one it joins it in a savepoint and is never asynchronous (see :func:`_count`)."""
-    now = timezone.now()
-    params: list[Any] = [name, event, topic, deliveries, now, now + _ttl(ttl)]
-    if not connection.in_atomic_block:
-        return _fetch_count(connection, [*params, asynchronous])
-    with transaction.atomic(using=connection.alias):
-        return _fetch_count(connection, [*params, False])
-
-
 def _count_travels(event: str, alias: str) -> bool:
-    """Whether the count can travel with the reservation (:func:`_count_and_reserve`): on
+    """Whether the count can travel with the reservation
+    (:func:`~django_idempotency.event_store.count_and_reserve`): on
     PostgreSQL with psycopg 3 (default layout), outside any transaction."""
     connection = connections[alias]
-    return _sql_layout(connection, event) is None and apart_may_travel(connection)
-
-
-def _count_and_reserve(
-    event: str, name: str, topic: str, ttl: Any, alias: str, *, redelivered: bool
-) -> tuple[Delivery | None, str]:
-    """Count the delivery in a transaction of its own, then open the business transaction with
-    the reservation, in one round trip (``BEGIN; <count>; COMMIT; BEGIN; <reserve>``).
-
-    The first delivery of an event pays one round trip for both, where counting apart paid two.
-    The count commits, flushed as before (or asynchronously, with ``ASYNC_DELIVERY_COUNT``),
-    before the reservation runs, so it survives a worker that dies in the business transaction.
-    Returns the delivery (None if the count found the event processed) and what the reservation
-    found. A duplicate learns that it is one from this same round trip, and then ends the
-    transaction it opened, which wrote nothing."""
-    connection = connections[alias]
-    now = timezone.now()
-    expires = now + _ttl(ttl)
-    asynchronous = conf.ASYNC_DELIVERY_COUNT
-    count = [name, event, topic, 2 if redelivered else 1, now, expires, asynchronous]
-    reserve = [name, event, topic, now, expires, False]
-    sent = execute_apart_first(
-        connection, (COUNT_POSTGRESQL, count), (RESERVE_POSTGRESQL, reserve)
-    )
-    if sent is None:
-        raise TransactionManagementError(
-            "django-idempotency could not count the delivery apart from the business "
-            "transaction: a statement ran on the connection between process_event() and its "
-            "reservation. Please report this."
-        )
-    counted, reserved = sent
-    delivery = Delivery(name, event, topic, *_counted(counted[0])) if counted else None
-    return delivery, str(reserved[0][0])
-
-
-def _counted(row: tuple[Any, ...]) -> tuple[int, bool]:
-    """(deliveries, parked before) from a row of ``django_idempotency_count_v1``."""
-    return int(row[0]), bool(row[1])
-
-
-def _fetch_count(connection: BaseDatabaseWrapper, params: list[Any]) -> tuple[int, bool] | None:
-    with connection.cursor() as cursor:
-        cursor.execute(COUNT_POSTGRESQL, params)
-        row = cursor.fetchone()
-    return None if row is None else _counted(row)
-
-
-def _delivery_values(
-    name: str, event: str, topic: str, ttl: timedelta | float | None, deliveries: int = 1
-) -> dict[str, Any]:
-    now = timezone.now()
-    return {
-        "consumer": name,
-        "event_id": event,
-        "topic": topic,
-        "deliveries": deliveries,
-        "first_delivered_at": now,
-        "last_delivered_at": now,
-        "last_error": "",
-        "expires_at": now + _ttl(ttl),
-    }
-
-
-def _count(
-    connection: BaseDatabaseWrapper,
-    values: Mapping[str, Any],
-    *,
-    guard: Mapping[str, Any] | None = None,
-    asynchronous: bool = False,
-) -> tuple[int, bool] | None:
-    """Upsert the counter; (deliveries, parked before), or None if ``guard`` found the event
-    processed (:class:`~django_idempotency.models.ProcessedEvent` columns and their values)."""
-    vendor = connection.vendor
-    if vendor == "mysql":
-        # No RETURNING with ON DUPLICATE KEY UPDATE: read the count back in the same transaction.
-        if guard is not None and _processed(connection, guard):
-            return None
-        with transaction.atomic(using=connection.alias):
-            return _upsert_delivery(connection, values, None, asynchronous=False)
-    if vendor not in ("postgresql", "sqlite"):
-        raise NotSupportedError(
-            f"django-idempotency supports PostgreSQL, MySQL/MariaDB and SQLite, not {vendor!r}."
-        )
-    if not connection.in_atomic_block:
-        # One autocommit statement. Asynchronous commit is only ever asked for here: inside a
-        # transaction, set_config(..., true) would last until that transaction's own COMMIT.
-        asynchronous = asynchronous and vendor == "postgresql"
-        return _upsert_delivery(connection, values, guard, asynchronous=asynchronous)
-    with transaction.atomic(using=connection.alias):
-        return _upsert_delivery(connection, values, guard, asynchronous=False)
-
-
-ASYNC_COMMIT = "set_config('synchronous_commit', 'off', true) = 'off'"
-"""PostgreSQL: this statement's own (autocommit) transaction commits without waiting on its WAL
-flush. ``true`` scopes the setting to that transaction; it is back to the server's value when
-the statement returns. The next synchronous commit on the server flushes the count with it."""
-
-
-def _upsert_delivery(
-    connection: BaseDatabaseWrapper,
-    values: Mapping[str, Any],
-    guard: Mapping[str, Any] | None,
-    *,
-    asynchronous: bool,
-) -> tuple[int, bool] | None:
-    model = EventDelivery
-    # INSERT ... SELECT when a WHERE follows (the guard, or the asynchronous commit).
-    sql, params = _insert_sql(connection, model, values, select=bool(guard) or asynchronous)
-    upsert, select = _delivery_sql(connection, sql, tuple(guard or ()), asynchronous)
-    with connection.cursor() as cursor:
-        if connection.vendor == "mysql":
-            prepared = dict(zip(values, params, strict=True))
-            cursor.execute(
-                upsert, [*params, prepared["last_delivered_at"], prepared["expires_at"]]
-            )
-            cursor.execute(select, [prepared["consumer"], prepared["event_id"]])
-        else:
-            cursor.execute(upsert, [*params, *(guard or {}).values()])
-        row = cursor.fetchone()
-    if row is None:  # the guard found a processed event: nothing was written
-        return None
-    count, parked = row
-    # parked_at is tested here, not in SQL: SQLite 3.40 answers "parked_at IS NOT NULL" wrongly
-    # (true for a NULL) in the RETURNING clause of an upsert.
-    return int(count), parked is not None
-
-
-def _delivery_sql(
-    connection: BaseDatabaseWrapper, insert: str, guard: tuple[str, ...], asynchronous: bool
-) -> tuple[str, str]:
-    """The delivery upsert (and MySQL's read-back), built once per backend, insert and guard.
-
-    With a guard (PostgreSQL, SQLite), ``insert`` is an ``INSERT ... SELECT`` and gets
-    ``WHERE NOT EXISTS (the processed event)``: on a processed event it inserts nothing, updates
-    nothing and returns no row. (Not ``ON CONFLICT DO UPDATE ... WHERE``: that still locks the
-    conflicting row, a write that waits on a WAL flush.)
-    """
-    cache_key = ("delivery", connection.vendor, insert, guard, asynchronous)
-    cached = _SQL.get(cache_key)
-    if cached is not None:
-        return cached  # type: ignore[no-any-return]
-    model = EventDelivery
-    quote = connection.ops.quote_name
-    table = quote(model._meta.db_table)
-
-    def column(name: str) -> str:
-        return quote(_field(model, name).column)
-
-    deliveries, parked_at = column("deliveries"), column("parked_at")
-    last, expires = column("last_delivered_at"), column("expires_at")
-    select = ""
-    if connection.vendor == "mysql":
-        upsert = (
-            f"{insert} ON DUPLICATE KEY UPDATE {deliveries} = {deliveries} + 1, "
-            f"{last} = %s, {expires} = %s"
-        )
-        select = (
-            f"SELECT {deliveries}, {parked_at} FROM {table} "
-            f"WHERE {column('consumer')} = %s AND {column('event_id')} = %s"
-        )
-    else:
-        conditions = [f"NOT EXISTS ({_processed_sql(connection, guard)})"] if guard else []
-        if asynchronous:
-            conditions.append(ASYNC_COMMIT)
-        where = f" WHERE {' AND '.join(conditions)}" if conditions else ""
-        target = _columns(connection, model, ("consumer", "event_id"))
-        upsert = (
-            f"{insert}{where} ON CONFLICT ({target}) DO UPDATE SET "
-            f"{deliveries} = {table}.{deliveries} + 1, "
-            f"{last} = excluded.{last}, {expires} = excluded.{expires} "
-            f"RETURNING {deliveries}, {parked_at}"
-        )
-    _SQL[cache_key] = (upsert, select)
-    return upsert, select
-
-
-def _processed_sql(connection: BaseDatabaseWrapper, guard: tuple[str, ...]) -> str:
-    """``SELECT 1 FROM processed_event WHERE column = %s AND ...`` for the ``guard`` columns."""
-    quote = connection.ops.quote_name
-    declared = {field.name: field.column for field in ProcessedEvent._meta.concrete_fields}
-    conditions = " AND ".join(f"{quote(declared.get(name, name))} = %s" for name in guard)
-    return f"SELECT 1 FROM {quote(ProcessedEvent._meta.db_table)} WHERE {conditions}"
-
-
-def _processed(connection: BaseDatabaseWrapper, guard: Mapping[str, Any]) -> bool:
-    """Whether the event is processed already (MySQL/MariaDB: a plain read, no lock)."""
-    cache_key = ("processed", connection.vendor, tuple(guard))
-    sql = _SQL.get(cache_key)
-    if sql is None:
-        sql = _SQL[cache_key] = _processed_sql(connection, tuple(guard))
-    with connection.cursor() as cursor:
-        cursor.execute(sql, list(guard.values()))
-        return cursor.fetchone() is not None
-
-
-def _park(delivery: Delivery, using: str) -> bool:
-    """Mark the event parked in a transaction of its own; True if this call parked it."""
-    with transaction.atomic(using=using):
-        return (
-            EventDelivery.objects.using(using)
-            .filter(consumer=delivery.consumer, event_id=delivery.event_id, parked_at=None)
-            .update(parked_at=timezone.now())
-            == 1
-        )
-
-
-def _record_error(
-    delivery: Delivery, error: BaseException, using: str, *, unless_processed: bool = False
-) -> None:
-    """Keep the last error of a failed delivery, for the admin; never hides the error itself.
-
-    With ``unless_processed``, the error is kept only while this is still the latest delivery
-    and the event is not processed: a retry that a failed delivery published before it finished
-    (Celery's ``autoretry_for``) may already have counted itself or applied the event, and then
-    this error is stale.
-    """
-    text = f"{type(error).__name__}: {error}"[:2000]
-    rows = EventDelivery.objects.using(using).filter(
-        consumer=delivery.consumer, event_id=delivery.event_id
-    )
-    if unless_processed:
-        # A later delivery has counted itself (and will clear or replace the error), or has
-        # applied the event: this error is stale either way.
-        rows = rows.filter(deliveries=delivery.count).exclude(
-            Exists(
-                ProcessedEvent.objects.using(using).filter(
-                    consumer=delivery.consumer, event_id=delivery.event_id
-                )
-            )
-        )
-    try:
-        with transaction.atomic(using=using):
-            rows.update(last_error=text)
-    except DatabaseError:  # the body's error is the one that matters, and it propagates
-        logger.warning(
-            "could not record the error of event %s for consumer %s",
-            delivery.event_id,
-            delivery.consumer,
-            exc_info=True,
-        )
+    return event_store.sql_layout(connection, event) is None and apart_may_travel(connection)
 
 
 # --- Processing one event -----------------------------------------------------------------------
@@ -772,8 +322,9 @@ def process_event(
        :data:`~django_idempotency.signals.event_duplicate`.
 
        On PostgreSQL with psycopg 3, outside any transaction, steps 1 and 2 are one round trip
-       (:func:`_count_and_reserve`): the count commits, then the reservation opens the
-       transaction. A parked event's reservation is then rolled back before it is refused.
+       (:func:`~django_idempotency.event_store.count_and_reserve`): the count commits, then the
+       reservation opens the transaction. A parked event's reservation is then rolled back
+       before it is refused.
     3. If the event has been delivered more than ``max_deliveries`` times (default
        ``MAX_DELIVERIES``) and the reservation shows it was never processed, roll back, park it,
        log at ERROR, send :data:`~django_idempotency.signals.event_parked` and raise
@@ -817,7 +368,7 @@ def process_event(
     # The broker vouches for a first delivery: its count is skipped (see above).
     first = count_deliveries and redelivered is False
     counted = count_deliveries and not first
-    # On PostgreSQL the count travels with the reservation (_count_and_reserve), where it can.
+    # On PostgreSQL the count travels with the reservation (count_and_reserve), where it can.
     travels = counted and _count_travels(event, alias)
     delivery = None
     if counted and not travels:
@@ -837,8 +388,14 @@ def process_event(
             # transaction has committed, whatever a later hook raises.
             transaction.on_commit(lambda: committed.append(True), using=alias)
             if travels:
-                delivery, state = _count_and_reserve(
-                    event, name, topic_value, ttl, alias, redelivered=bool(redelivered)
+                delivery, state = event_store.count_and_reserve(
+                    connections[alias],
+                    name,
+                    event,
+                    topic_value,
+                    _ttl(ttl),
+                    redelivered=bool(redelivered),
+                    asynchronous=conf.ASYNC_DELIVERY_COUNT,
                 )
             elif first:
                 state = _reserve_first_delivery(event, name, topic_value, ttl, alias)
@@ -856,7 +413,7 @@ def process_event(
                 applied = True
                 result = body()
                 if delivery is not None and delivery.count > 1:
-                    _clear_error(delivery, alias)
+                    event_store.clear_error(delivery, alias)
     except _ParkInstead:
         if delivery is None:  # a first delivery found the event parked: counted, refused
             delivery = _count_skipped(event, name, topic_value, ttl, alias)
@@ -874,7 +431,7 @@ def process_event(
             if committed:
                 _after_commit_failed(event, name, delivery, exc, alias)
             if delivery is not None and not first:
-                _record_error(delivery, exc, alias, unless_processed=True)
+                event_store.record_error(delivery, exc, alias, unless_processed=True)
         raise
 
     if not applied:
@@ -920,20 +477,13 @@ def _fail_first_delivery(
     delivery ``limit + 1`` is parked without running).
     A database error here is logged and never hides the body's own error, which propagates.
     """
-    text = f"{type(error).__name__}: {error}"[:2000]
     try:
         with transaction.atomic(using=alias):
             if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
                 return  # applied meanwhile: this error is stale
             delivery = count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
-            changes: dict[str, Any] = {"last_error": text}
             park = delivery.count >= limit and not delivery.parked
-            if park:
-                changes["parked_at"] = timezone.now()
-            EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(
-                **changes
-            )
-            ProcessedEvent.objects.using(alias).filter(consumer=name, event_id=event).delete()
+            event_store.fail_reserved(alias, name, event, error, park=park)
     except DatabaseError:
         logger.warning(
             "could not count the failed delivery of event %s for consumer %s",
@@ -972,13 +522,6 @@ def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
     signals.event_duplicate.send(sender=consumer, event_id=event, topic=topic)
 
 
-def _clear_error(delivery: Delivery, using: str) -> None:
-    """Clear the error an earlier delivery recorded, in the transaction of the success."""
-    EventDelivery.objects.using(using).filter(
-        consumer=delivery.consumer, event_id=delivery.event_id
-    ).exclude(last_error="").update(last_error="")
-
-
 def _after_commit_failed(
     event: str, consumer: str, delivery: Delivery | None, error: Exception, using: str
 ) -> NoReturn:
@@ -997,12 +540,12 @@ def _after_commit_failed(
         f"failed: {type(error).__name__}: {error}"
     )
     if delivery is not None:
-        _record_error(delivery, failure, using)
+        event_store.record_error(delivery, failure, using)
     raise failure from error
 
 
 def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
-    _parked(delivery, limit, _park(delivery, using))
+    _parked(delivery, limit, event_store.park(delivery, using))
     raise EventParked(
         f"Event {delivery.event_id} for consumer {delivery.consumer!r} was delivered "
         f"{delivery.count} times without being processed (limit {limit}) and is parked."
@@ -1059,8 +602,8 @@ def park_message(
     key = MISSING_ID_PREFIX + str(message_ref)[: MAX_ID_LENGTH - len(MISSING_ID_PREFIX)]
     alias = _alias(using)
     delivery = count_delivery(key, name, topic=topic, using=alias)
-    newly = _park(delivery, alias)
-    _record_error(delivery, MissingEventId(reason), alias)
+    newly = event_store.park(delivery, alias)
+    event_store.record_error(delivery, MissingEventId(reason), alias)
     logger.error(
         "MESSAGE PARKED, no usable event id: consumer %s, message %s: %s. Find it in the admin "
         "under 'event deliveries' (parked), event id %s.",

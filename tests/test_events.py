@@ -24,13 +24,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import new_event_id, signals, try_reserve
-from django_idempotency.events import (
-    _insert_new,
-    _mysql_errno,
-    count_delivery,
-    normalize_event_id,
-    process_event,
-)
+from django_idempotency.event_store import insert_new, mysql_errno
+from django_idempotency.events import count_delivery, normalize_event_id, process_event
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
@@ -236,15 +231,15 @@ def test_a_not_null_violation_is_an_error_not_a_duplicate() -> None:
         "expires_at": now,
     }
     with pytest.raises(IntegrityError), transaction.atomic():
-        _insert_new(connection, ProcessedEvent, row, unique=("consumer", "event_id"))
+        insert_new(connection, ProcessedEvent, row, unique=("consumer", "event_id"))
     assert not ProcessedEvent.objects.exists()
 
 
 def test_mysql_errno_reads_the_driver_code() -> None:
-    assert _mysql_errno(IntegrityError(1062, "Duplicate entry")) == 1062
-    assert _mysql_errno(IntegrityError(1048, "Column 'consumer' cannot be null")) == 1048
-    assert _mysql_errno(IntegrityError("no code")) is None
-    assert _mysql_errno(IntegrityError()) is None
+    assert mysql_errno(IntegrityError(1062, "Duplicate entry")) == 1062
+    assert mysql_errno(IntegrityError(1048, "Column 'consumer' cannot be null")) == 1048
+    assert mysql_errno(IntegrityError("no code")) is None
+    assert mysql_errno(IntegrityError()) is None
 
 
 # --- Races across threads (one connection each) ------------------------------------------------
@@ -355,7 +350,7 @@ def _lock_timeout_propagates(threads: Threads, set_timeout: str) -> None:
     threads.join()
     assert len(errors) == 1, "a lock timeout must raise, never read as a duplicate"
     if connection.vendor == "mysql":
-        assert _mysql_errno(errors[0]) == 1205
+        assert mysql_errno(errors[0]) == 1205
 
 
 @pytest.mark.slow
@@ -687,24 +682,24 @@ def test_a_lock_timeout_inside_try_reserve_propagates() -> None:
 def test_a_failed_delivery_leaves_no_error_on_an_event_processed_meanwhile() -> None:
     """Celery's autoretry publishes the retry before the failed delivery ends; the retry may
     apply the event (clearing the error) before the failed one records its error."""
-    from django_idempotency import events
+    from django_idempotency import event_store
 
     count_delivery("evt-late-error", "billing")
-    delivery = events.Delivery("billing", "evt-late-error", "", 1, False)
+    delivery = event_store.Delivery("billing", "evt-late-error", "", 1, False)
     with transaction.atomic():
         assert try_reserve("evt-late-error", "billing")  # the retry applied the event
-    events._record_error(delivery, RuntimeError("stale"), "default", unless_processed=True)
+    event_store.record_error(delivery, RuntimeError("stale"), "default", unless_processed=True)
     assert EventDelivery.objects.get(event_id="evt-late-error").last_error == ""
-    events._record_error(delivery, RuntimeError("kept"), "default")
+    event_store.record_error(delivery, RuntimeError("kept"), "default")
     assert EventDelivery.objects.get(event_id="evt-late-error").last_error == "RuntimeError: kept"
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_failed_delivery_leaves_no_error_once_a_later_delivery_counted_itself() -> None:
     """The later delivery clears the error only if it was there first; after it, none lands."""
-    from django_idempotency import events
+    from django_idempotency import event_store
 
     first = count_delivery("evt-later", "billing")
     count_delivery("evt-later", "billing")  # the retry, counted before the first one ends
-    events._record_error(first, RuntimeError("stale"), "default", unless_processed=True)
+    event_store.record_error(first, RuntimeError("stale"), "default", unless_processed=True)
     assert EventDelivery.objects.get(event_id="evt-later").last_error == ""

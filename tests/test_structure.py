@@ -82,3 +82,34 @@ def test_the_managers_models_and_partitioning_import_no_circle_even_inside_funct
         "django_idempotency.partitioning": set(),
     }
     assert_no_cycle(graph)
+
+
+def test_the_stores_sit_below_their_cores_and_read_no_setting() -> None:
+    """``store.py`` and ``event_store.py`` are how the HTTP core and the event core reach the
+    database: neither imports a core (or an adapter above it), and neither reads a setting, so
+    each decision stays in its core."""
+    above = {
+        f"django_idempotency.{name}"
+        for name in (
+            "conf",
+            "core",
+            "http",
+            "decorators",
+            "middleware",
+            "drf",
+            "events",
+            "consumers",
+            "celery",
+            "django_tasks",
+            "kafka",
+        )
+    }
+    for store in ("store", "event_store"):
+        assert all_imports(PACKAGE / f"{store}.py") & above == set(), store
+
+
+def test_the_event_adapters_go_through_the_event_core() -> None:
+    """The consumer adapters call :mod:`django_idempotency.events`, never its store."""
+    for adapter in ("consumers", "celery", "django_tasks", "kafka"):
+        imports = all_imports(PACKAGE / f"{adapter}.py")
+        assert "django_idempotency.event_store" not in imports, adapter
