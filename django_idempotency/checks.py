@@ -51,7 +51,9 @@ def check_settings(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]
             Error(str(exc), hint=f"Set {SETTING_NAME} = {{...}}.", id="django_idempotency.E003")
         ]
     messages: list[CheckMessage] = []
-    for name in sorted(set(user) - set(OPTIONS)):
+    # key=repr: a key that is not a string (a stray timedelta, an int) is reported too, and
+    # keys of two types cannot be compared.
+    for name in sorted(set(user) - set(OPTIONS), key=repr):
         messages.append(
             Error(
                 f"{SETTING_NAME}[{name!r}] is not a django-idempotency setting.",

@@ -41,6 +41,9 @@ logger = logging.getLogger("django_idempotency")
 
 DEFAULT_MAX_ATTEMPTS = 5
 DEFAULT_LIMIT = 100
+MAX_LIMIT = 1_000_000
+"""The most runs one call handles. A database's ``LIMIT`` overflows far beyond it (SQLite,
+PostgreSQL and MariaDB each fail the query), and a million runs is already hours of work."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ def complete_abandoned(
     using: str | None = None,
 ) -> list[Completion]:
     """Drive up to ``limit`` abandoned runs to their end; delete runs whose record is gone."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(
+            f"limit must be a positive integer of at most {MAX_LIMIT}, not {limit!r}."
+        )
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise ValueError(f"max_attempts must be a positive integer, not {max_attempts!r}.")
     done = [complete_one(run, max_attempts=max_attempts) for run in abandoned(using)[:limit]]

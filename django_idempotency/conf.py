@@ -162,7 +162,13 @@ def _database(name: str, value: Any) -> str:
 def _optional_dotted_path(name: str, value: Any) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or "." not in value:
+    # Every part a Python name: import_string() raises ValueError or TypeError, not
+    # ImportError, for a relative path such as ".owners.by_tenant".
+    if (
+        not isinstance(value, str)
+        or "." not in value
+        or not all(part.isidentifier() for part in value.split("."))
+    ):
         raise _error(name, f"must be a dotted path to a callable, or None, not {value!r}.")
     return value
 
@@ -191,7 +197,10 @@ def _partition_interval(name: str, value: Any) -> str | None:
     from django.db import connections
 
     alias = IdempotencySettings.user_settings().get("DATABASE", "default")
-    if alias in settings.DATABASES and connections[alias].vendor != "postgresql":
+    # A DATABASE that is not an alias (a list of them, say) is DATABASE's own error; it must
+    # not make this one raise TypeError (unhashable) instead.
+    known = isinstance(alias, str) and alias in settings.DATABASES
+    if known and connections[alias].vendor != "postgresql":
         raise _error(
             name,
             f"asks for partitioned events, which need PostgreSQL; the database {alias!r} is "

@@ -63,6 +63,7 @@ from django.http.response import HttpResponseBase
 from django.utils import timezone
 
 from django_idempotency.clock import DatabaseNow
+from django_idempotency.conf import conf
 from django_idempotency.core import Captured, Command, Idempotency, Replay, _Claim
 from django_idempotency.events import try_reserve
 from django_idempotency.exceptions import ProblemError, RequestInProgress, StaleClaim
@@ -466,7 +467,9 @@ class Flow:
 
     @property
     def _alias(self) -> str:
-        return self.core.policy.using if self.core is not None else "default"
+        # Unrecorded (no key), a phase still runs in one transaction on the business data's
+        # database: IDEMPOTENCY["DATABASE"], as the claim's policy says for a recorded one.
+        return self.core.policy.using if self.core is not None else conf.DATABASE
 
     @property
     def _record_id(self) -> int:

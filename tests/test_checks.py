@@ -27,6 +27,20 @@ def test_unknown_key_is_e001_and_named() -> None:
     assert "RECORD_TTL" in (messages[0].hint or "")
 
 
+def test_unknown_keys_that_are_not_strings_are_e001_too() -> None:
+    """Keys of two types once crashed `manage.py check` (sorting them raised TypeError)."""
+    misplaced = timedelta(hours=48)  # the value written where the key belongs
+    with override_settings(IDEMPOTENCY={"RECORD_TLL": 3600, misplaced: "RECORD_TTL", 7: 1}):
+        messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E001"] * 3
+    assert {message.msg.split("]")[0] for message in messages} == {
+        "IDEMPOTENCY['RECORD_TLL'",
+        f"IDEMPOTENCY[{misplaced!r}",
+        "IDEMPOTENCY[7",
+    }
+    assert all("Known keys: RECORD_TTL" in (message.hint or "") for message in messages)
+
+
 @override_settings(IDEMPOTENCY={"RECORD_TTL": 0})
 def test_zero_ttl_is_e002() -> None:
     messages = check_settings()
@@ -73,6 +87,18 @@ def test_an_owner_that_is_not_callable_is_e005(path: str) -> None:
     assert "not callable" in messages[0].msg
 
 
+@pytest.mark.parametrize("path", [".owners.by_tenant", "..owners.by_tenant"])
+def test_a_relative_owner_path_is_e002_not_a_crash(path: str) -> None:
+    """import_string() raises ValueError or TypeError for these, which once escaped the check
+    (and every request) instead of naming the setting."""
+    with override_settings(IDEMPOTENCY={"OWNER": path}):
+        messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E002"]
+    assert f"IDEMPOTENCY['OWNER'] must be a dotted path to a callable, or None, not {path!r}" in (
+        messages[0].msg
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [
@@ -90,6 +116,19 @@ def test_values_that_used_to_fail_later_are_e002(name: str, value: object) -> No
         messages = check_settings()
     assert ids(messages) == ["django_idempotency.E002"]
     assert name in messages[0].msg
+
+
+@pytest.mark.parametrize("database", [["default", "other"], {"default": "other"}])
+def test_a_database_that_is_not_an_alias_is_e002_with_event_partitions_set(
+    database: object,
+) -> None:
+    """A list of aliases in DATABASE once made the EVENT_PARTITIONS check raise TypeError
+    (unhashable), which crashed `manage.py check` and every reservation."""
+    with override_settings(IDEMPOTENCY={"DATABASE": database, "EVENT_PARTITIONS": "day"}):
+        messages = check_settings()
+    assert ids(messages) == ["django_idempotency.E002"]
+    assert "IDEMPOTENCY['DATABASE']" in messages[0].msg
+    assert "not in DATABASES" in messages[0].msg
 
 
 @override_settings(IDEMPOTENCY={"RECORD_TTL": timedelta(hours=1)})

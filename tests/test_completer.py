@@ -8,7 +8,7 @@ from datetime import timedelta
 from io import StringIO
 
 import pytest
-from django.core.management import call_command
+from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
@@ -120,6 +120,37 @@ def test_the_command_and_the_task(client: Client) -> None:
     [result] = complete_flows.delay().get()  # eager in the test settings
     assert result["outcome"] == "completed"
     assert {result["key"], json.loads(line)["key"]} == {first, second}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--limit", "abc"], "--limit: must be a whole number, not 'abc'"),
+        (["--limit", "1.5"], "--limit: must be a whole number"),
+        (["--limit", "0"], "--limit: must be from 1 to 1000000, not 0"),
+        (["--limit", "99999999999999999999"], "--limit: must be from 1 to 1000000"),
+        (["--max-attempts", "x"], "--max-attempts: must be a whole number, not 'x'"),
+        (["--max-attempts", "-1"], "--max-attempts: must be a positive integer, not -1"),
+    ],
+)
+def test_the_command_rejects_bad_numbers_with_a_clear_message(
+    client: Client, args: list[str], message: str
+) -> None:
+    """Once a traceback (a LIMIT the database cannot take) or argparse's bare "invalid
+    _positive_int value"; now a CommandError that says what to pass, and nothing is touched."""
+    abandon(client, "one")
+    with pytest.raises(CommandError) as exc:
+        call_command("idempotency_complete", *args, stdout=StringIO())
+    assert message in str(exc.value)
+    assert FlowRun.objects.get().state == FlowRun.State.RUNNING
+
+
+@pytest.mark.parametrize("limit", [0, -1, True, 1.5, 10**20])
+def test_complete_abandoned_rejects_a_limit_out_of_range(client: Client, limit: int) -> None:
+    abandon(client, "one")
+    with pytest.raises(ValueError, match="limit must be a positive integer of at most 1000000"):
+        complete_abandoned(limit=limit)
+    assert FlowRun.objects.get().state == FlowRun.State.RUNNING
 
 
 def test_runs_whose_record_was_purged_are_deleted(client: Client) -> None:

@@ -14,7 +14,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.db import transaction
 from django.db.transaction import TransactionManagementError
-from django.test import Client, RequestFactory
+from django.test import Client, RequestFactory, override_settings
 from django.utils import timezone
 
 from django_idempotency import idempotent
@@ -294,6 +294,29 @@ def test_a_request_without_a_key_runs_its_phases_unrecorded(client: Client) -> N
     assert body(response)["resumed"] is False
     assert not FlowRun.objects.exists()
     assert not IdempotencyRecord.objects.exists()
+
+
+@pytest.mark.django_db(databases=["default", "other"], transaction=True)
+def test_an_unrecorded_phase_is_one_transaction_on_the_configured_database() -> None:
+    """Without a key, a phase still runs in a transaction on IDEMPOTENCY["DATABASE"] (it once
+    opened it on "default", so its writes to the business data's database each autocommitted:
+    a phase that failed halfway left its first write behind)."""
+
+    def half_done() -> None:
+        Effect.objects.using("other").create(name="unrecorded-half", payload="first write")
+        raise ProbeError("the phase failed after its first write")
+
+    @idempotent(phases=True)
+    def view(request, flow: Flow):  # type: ignore[no-untyped-def]
+        flow.phase("half", half_done)
+        raise AssertionError("unreachable")
+
+    request = RequestFactory().post("/x", data=b"{}", content_type="application/json")
+    request.user = _anonymous()
+    with override_settings(IDEMPOTENCY={"DATABASE": "other"}), pytest.raises(ProbeError):
+        view(request)
+    assert not Effect.objects.using("other").filter(name="unrecorded-half").exists()
+    assert not IdempotencyRecord.objects.using("other").exists()
 
 
 def test_async_views_are_refused() -> None:

@@ -146,6 +146,13 @@ def test_layout_reports_it_is_not_available_off_postgresql() -> None:
     assert "need PostgreSQL" in messages[0].msg
 
 
+@pytest.mark.parametrize("action", ["status", "convert", "maintain", "revert"])
+def test_command_refuses_an_unknown_database_alias(action: str) -> None:
+    """Once a traceback (ConnectionDoesNotExist), on every backend."""
+    with pytest.raises(CommandError, match="Unknown database alias 'nowhere'; DATABASES has"):
+        call_command("idempotency_partitions", action, "--database", "nowhere")
+
+
 def test_bad_interval_is_an_invalid_setting() -> None:
     with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "week"}):
         messages = check_settings()

@@ -11,13 +11,28 @@ from django.core.management.base import BaseCommand
 from django_idempotency.completer import (
     DEFAULT_LIMIT,
     DEFAULT_MAX_ATTEMPTS,
+    MAX_LIMIT,
     abandoned,
     complete_abandoned,
 )
 
 
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+
+
+def _limit(text: str) -> int:
+    value = _whole_number(text)
+    if not 1 <= value <= MAX_LIMIT:
+        raise ArgumentTypeError(f"must be from 1 to {MAX_LIMIT}, not {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _whole_number(text)
     if value < 1:
         raise ArgumentTypeError(f"must be a positive integer, not {value}")
     return value
@@ -32,8 +47,8 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
-            "--limit", type=_positive_int, default=DEFAULT_LIMIT, metavar="N",
-            help=f"Runs to complete at most (default {DEFAULT_LIMIT}).",
+            "--limit", type=_limit, default=DEFAULT_LIMIT, metavar="N",
+            help=f"Runs to complete at most, up to {MAX_LIMIT} (default {DEFAULT_LIMIT}).",
         )  # fmt: skip
         parser.add_argument(
             "--max-attempts", type=_positive_int, default=DEFAULT_MAX_ATTEMPTS, metavar="N",

@@ -13,6 +13,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency import partitioning
 from django_idempotency.conf import PARTITION_INTERVALS, conf
+from django_idempotency.purge import purged_databases
 
 
 class Command(BaseCommand):
@@ -54,8 +55,9 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"] or conf.DATABASE
         try:
+            # An alias that is not in DATABASES is refused as idempotency_purge refuses it.
+            [alias] = purged_databases(options["database"])
             partitioning.require_postgresql(alias)
             getattr(self, f"_{options['action']}")(alias, options)
         except (ImproperlyConfigured, ValueError) as exc:
