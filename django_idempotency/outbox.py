@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -116,7 +117,8 @@ def send(
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
     :raises ValueError: an empty or too long name, key or event id; nothing is written.
-    :raises TypeError: a payload that is not JSON, headers that are not strings.
+    :raises TypeError: a payload or headers that are not JSON the database stores (NaN or
+        infinity, a lone surrogate, a NUL on PostgreSQL), headers that are not strings.
     :raises ImproperlyConfigured: ``transport`` is not configured.
     """
     alias = using if using is not None else conf.DATABASE
@@ -128,12 +130,15 @@ def send(
             "Outside one, the message would commit on its own."
         )
     event = str(new_event_id()) if event_id is None else normalize_event_id(event_id)
+    vendor = connection.vendor
+    payload = _json("payload", payload, vendor)
     values = {
         "event_id": event,
         "destination": _name("destination", destination),
         "transport": _transport(transport),
-        "payload": _json("payload", payload),
-        "headers": _headers(headers),
+        # None is JSON null: left bare, it would be SQL NULL, which the column refuses.
+        "payload": Value(None, JSONField()) if payload is None else payload,
+        "headers": _json("headers", _headers(headers), vendor),
         "ordering_key": None if key is None else _name("ordering key", key),
         "state": OutboxEntry.State.PENDING,
         "attempts": 0,
@@ -178,11 +183,32 @@ def _transport(name: object) -> str:
     return name
 
 
-def _json(what: str, value: Any) -> Any:
+def _json(what: str, value: Any, vendor: str) -> Any:
+    """``value``, once it is JSON that the database stores: strict JSON (``json.dumps`` writes
+    NaN and infinity, which no JSON column accepts), and outside SQLite no lone surrogate
+    (PostgreSQL and MySQL refuse one in JSON), and on PostgreSQL no NUL character (``jsonb``
+    refuses ``\\u0000``). Left to the INSERT, each of these raised a database error instead,
+    which on PostgreSQL aborts the caller's transaction.
+    """
     try:
-        json.dumps(value)
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"The {what} must be JSON-serialisable: {exc}.") from exc
+    if vendor == "sqlite":
+        return value
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TypeError(
+            f"The {what} holds a lone surrogate ({exc.object[exc.start : exc.end]!r}), which "
+            f"{vendor} cannot store in JSON."
+        ) from exc
+    # json.dumps writes a NUL as the escape \u0000 and a backslash as two; dropping the pairs
+    # first keeps a backslash followed by "u0000" from passing for a NUL.
+    if vendor == "postgresql" and "\\u0000" in text.replace("\\\\", ""):
+        raise TypeError(
+            f"The {what} holds a NUL character (\\u0000), which PostgreSQL cannot store in JSON."
+        )
     return value
 
 

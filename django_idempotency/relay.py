@@ -137,6 +137,8 @@ class Relay:
         self.backoff = backoff
         self.max_backoff = max_backoff
         self.max_attempts = max_attempts if max_attempts is not None else conf.OUTBOX_MAX_ATTEMPTS
+        # Read here, so a bad setting raises before a batch is sent (not when it is recorded).
+        self.ttl = conf.OUTBOX_TTL
         self._transports = dict(transports) if transports is not None else None
         self._stopping = threading.Event()
 
@@ -236,6 +238,11 @@ class Relay:
             try:
                 transport = self._transport(name)
                 results = transport.send(messages)
+                if not isinstance(results, Sequence) or isinstance(results, (str, bytes)):
+                    raise TypeError(
+                        f"transport {name!r} returned {results!r:.100}, not a list of "
+                        f"{len(messages)} results (None or an exception per message)"
+                    )
                 if len(results) != len(messages):
                     raise RuntimeError(
                         f"transport {name!r} returned {len(results)} results for "
@@ -245,6 +252,11 @@ class Relay:
                 logger.exception("outbox transport %r failed on a batch", name)
                 results = [exc] * len(messages)
             for index, outcome in zip(indexes, results, strict=True):
+                if outcome is not None and not isinstance(outcome, BaseException):
+                    outcome = TypeError(
+                        f"transport {name!r} returned {outcome!r:.100} for event "
+                        f"{rows[index].event_id}, not None (sent) or an exception"
+                    )
                 outcomes[index] = outcome
         return outcomes
 
@@ -281,7 +293,7 @@ class Relay:
                 queryset.filter(id__in=sent).update(
                     state=SENT,
                     sent_at=now,
-                    expires_at=now + conf.OUTBOX_TTL,
+                    expires_at=now + self.ttl,
                     locked_until=None,
                     last_error="",
                 )
@@ -293,7 +305,7 @@ class Relay:
                     locked_until=None, attempts=F("attempts") - 1
                 )
             for row, error in failures:
-                text = f"{type(error).__name__}: {error}"[:ERROR_CHARS]
+                text = _error_text(error)
                 if row.attempts >= self.max_attempts:
                     queryset.filter(pk=row.pk, locked_until=lease).update(
                         state=PARKED, locked_until=None, last_error=text
@@ -386,6 +398,15 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
+
+
+def _error_text(error: BaseException) -> str:
+    """The error as ``last_error`` keeps it, in text every database stores: a NUL (which a
+    PostgreSQL text column refuses) and a lone surrogate (which is not UTF-8) are written as
+    backslash escapes. Left in, they failed the record's transaction, and with it the sent marks
+    of the whole batch: it was sent again after every lease, and the message never parked."""
+    text = f"{type(error).__name__}: {error}".replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:ERROR_CHARS]
 
 
 @contextmanager

@@ -356,6 +356,8 @@ class CeleryTransport:
         )
 
     def _is_connection_error(self, exc: BaseException) -> bool:
+        if self._eager:
+            return False  # no broker: the task ran here, and the exception is its own
         connection = self._connection
         if connection is None:
             return True  # it failed while connecting

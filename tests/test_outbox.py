@@ -139,6 +139,8 @@ def test_publish_is_one_statement() -> None:
         (lambda: outbox.send("", {}), ValueError, "destination"),
         (lambda: outbox.send("x" * 256, {}), ValueError, "255"),
         (lambda: outbox.send("t", {"when": object()}), TypeError, "JSON-serialisable"),
+        (lambda: outbox.send("t", {"ratio": float("nan")}), TypeError, "JSON compliant"),
+        (lambda: outbox.publish("t", args=[float("inf")]), TypeError, "JSON compliant"),
         (lambda: outbox.send("t", {}, key=""), ValueError, "ordering key"),
         (lambda: outbox.send("t", {}, headers={"a": 1}), TypeError, "strings"),  # type: ignore[dict-item]
         (lambda: outbox.send("t", {}, event_id=""), ValueError, "empty"),
@@ -149,6 +151,8 @@ def test_publish_is_one_statement() -> None:
         "empty-destination",
         "long-destination",
         "not-json",
+        "nan",
+        "infinity",
         "empty-key",
         "header-not-str",
         "empty-event-id",
@@ -165,6 +169,46 @@ def test_bad_input_raises_a_clear_error_and_writes_nothing(
         # The transaction is still usable: the error came before any statement.
         outbox.send("after", {})
     assert list(OutboxEntry.objects.values_list("destination", flat=True)) == ["after"]
+
+
+def test_a_payload_of_none_is_stored_as_json_null() -> None:
+    """None is JSON (null): it was written as SQL NULL, which the column refuses (an
+    IntegrityError from the INSERT, which on PostgreSQL aborted the caller's transaction)."""
+    with transaction.atomic():
+        outbox.send("orders.cancelled", None)
+        outbox.send("after", {})
+
+    rows = OutboxEntry.objects.order_by("id").values_list("destination", "payload")
+    assert list(rows) == [("orders.cancelled", None), ("after", {})]
+
+
+@pytest.mark.parametrize(
+    ("payload", "headers", "refused_on", "match"),
+    [
+        ({"name": "caf\udce9"}, None, ("postgresql", "mysql"), "lone surrogate"),
+        ({}, {"file": "caf\udce9"}, ("postgresql", "mysql"), "lone surrogate"),
+        ({"text": "a\x00b"}, None, ("postgresql",), "NUL character"),
+        ({}, {"h": "a\x00b"}, ("postgresql",), "NUL character"),
+        ({"text": "a\\u0000b"}, None, (), ""),  # a backslash and "u0000": no NUL
+    ],
+    ids=["surrogate-payload", "surrogate-header", "nul-payload", "nul-header", "escaped-nul"],
+)
+def test_json_the_database_cannot_store_is_refused_before_the_insert(
+    payload: Any, headers: dict[str, str] | None, refused_on: tuple[str, ...], match: str
+) -> None:
+    """PostgreSQL's jsonb refuses NUL and lone surrogates, MySQL's JSON lone surrogates: the
+    INSERT raised a DataError or IntegrityError, which on PostgreSQL aborted the transaction."""
+    with transaction.atomic():
+        if connection.vendor in refused_on:
+            with pytest.raises(TypeError, match=match):
+                outbox.send("t", payload, headers=headers)
+        else:
+            outbox.send("t", payload, headers=headers)
+        outbox.send("after", {})  # the transaction is still usable
+
+    kept = [] if connection.vendor in refused_on else [("t", payload, headers or {})]
+    rows = OutboxEntry.objects.order_by("id").values_list("destination", "payload", "headers")
+    assert list(rows) == [*kept, ("after", {}, {})]
 
 
 def test_a_named_transport_is_stored() -> None:

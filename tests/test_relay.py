@@ -8,6 +8,7 @@ Real brokers and real processes are in ``test_outbox_proofs.py``.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,7 @@ from django_idempotency.purge import purge_all
 from django_idempotency.relay import BatchResult, Relay
 from django_idempotency.tasks import relay_outbox
 from django_idempotency.transports import (
+    CeleryTransport,
     OutboxMessage,
     Transport,
     build_transport,
@@ -268,6 +270,111 @@ def test_a_transport_that_raises_fails_its_batch_and_nothing_is_lost() -> None:
     }
 
 
+def test_a_bad_outbox_ttl_raises_before_anything_is_sent() -> None:
+    """OUTBOX_TTL was first read when the batch was recorded, after the broker had it: the
+    relay raised there and left the batch leased, and every run (a beat task, which no system
+    check guards) sent it again, attempts climbing and never parked."""
+    from django.core.exceptions import ImproperlyConfigured
+
+    write("a")
+    transport = RecordingTransport()
+
+    with (
+        override_settings(IDEMPOTENCY={"OUTBOX_TTL": "7 days"}),
+        pytest.raises(ImproperlyConfigured, match="OUTBOX_TTL"),
+    ):
+        relay(transport).run_once()
+
+    assert transport.calls == []
+    row = OutboxEntry.objects.get()
+    assert (row.state, row.attempts, row.locked_until) == ("pending", 0, None)
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [("disk\x00full", "disk\\x00full"), ("no file caf\udce9", "no file caf\\udce9")],
+    ids=["nul", "lone-surrogate"],
+)
+def test_an_error_the_database_cannot_store_is_recorded_escaped(message: str, kept: str) -> None:
+    """A NUL (refused by PostgreSQL's text columns) or a lone surrogate (an undecodable file
+    name, not UTF-8) in an error failed the record's transaction: the acknowledged message of
+    the batch was not marked sent, so it was sent again after every lease, and the failing one
+    never parked."""
+    write("bad")
+    write("good")
+    transport = RecordingTransport(lambda m: OSError(message) if m.destination == "bad" else None)
+
+    result = relay(transport, max_attempts=1).run_once()
+
+    assert (result.sent, result.parked) == (1, 1)
+    assert states() == {"bad": "parked", "good": "sent"}
+    assert OutboxEntry.objects.get(destination="bad").last_error == f"OSError: {kept}"
+
+
+@pytest.mark.parametrize(
+    ("returned", "error"),
+    [
+        (None, "returned None, not a list of 2 results"),
+        ("ok", "returned 'ok', not a list of 2 results"),
+        ([True, True], "returned True for event .*, not None \\(sent\\) or an exception"),
+    ],
+    ids=["none", "a-string", "not-results"],
+)
+def test_a_transport_that_returns_garbage_fails_with_a_clear_error(
+    returned: Any, error: str
+) -> None:
+    """Not a list (None), or results that are neither None nor an exception, were recorded as
+    "TypeError: object of type 'NoneType' has no len()" or "bool: True": retried, but nothing
+    said that the transport broke its contract."""
+    write("a", "b")
+
+    class Garbage(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> Any:
+            return returned
+
+    result = relay(Garbage()).run_once()
+
+    assert (result.sent, result.failed) == (0, 2)
+    for row in OutboxEntry.objects.all():
+        assert row.state == "pending" and row.available_at is not None
+        assert re.search(f"^[A-Za-z]+Error: transport 'default' {error}", row.last_error)
+
+
+def test_eager_celery_a_failing_task_fails_its_own_message_only() -> None:
+    """With ``task_always_eager`` the Celery transport has no broker connection, and took a
+    task's exception for a lost broker: every later message of the batch, of any key or of
+    none, was reported failed with that task's error and had an attempt counted."""
+    from celery import Celery
+
+    app = Celery("eager-outbox", set_as_current=False)
+    app.conf.task_always_eager = True
+    ran: list[int] = []
+
+    @app.task(name="outbox.fails")
+    def fails(n: int) -> None:
+        raise ValueError("the task failed")
+
+    @app.task(name="outbox.works")
+    def works(n: int) -> None:
+        ran.append(n)
+
+    with transaction.atomic():
+        outbox.publish("outbox.fails", kwargs={"n": 0}, key="a")
+        outbox.publish("outbox.works", kwargs={"n": 1}, key="b")
+        outbox.publish("outbox.works", kwargs={"n": 2})
+
+    result = relay(CeleryTransport(app=app)).run_once()
+
+    assert (result.sent, result.failed) == (2, 1)
+    assert ran == [1, 2]
+    rows = OutboxEntry.objects.order_by("id").values_list("state", "attempts", "last_error")
+    assert list(rows) == [
+        ("pending", 1, "ValueError: the task failed"),
+        ("sent", 1, ""),
+        ("sent", 1, ""),
+    ]
+
+
 def test_an_unknown_transport_name_fails_the_message_with_the_reason() -> None:
     write("a")
     OutboxEntry.objects.update(transport="gone")
@@ -476,6 +583,18 @@ def test_the_relay_command_refuses_options_out_of_range(option: str, value: str)
 
     with pytest.raises(CommandError, match=option.lstrip("-").split("-")[0]):
         call_command("idempotency_relay", "--once", option, value)
+
+
+@pytest.mark.parametrize("mode", [["--once"], []], ids=["once", "serve"])
+def test_the_relay_command_refuses_an_unknown_database(mode: list[str]) -> None:
+    """``--database`` with a typo died with ConnectionDoesNotExist's traceback (after printing
+    that the relay had started), where the purge command answers with a CommandError."""
+    from django.core.management.base import CommandError
+
+    out = StringIO()
+    with pytest.raises(CommandError, match=r"Unknown database alias 'nosuch'.*DATABASES has"):
+        call_command("idempotency_relay", *mode, "--database", "nosuch", stdout=out)
+    assert out.getvalue() == ""
 
 
 # --- Waking up: LISTEN/NOTIFY (PostgreSQL) ------------------------------------------------------

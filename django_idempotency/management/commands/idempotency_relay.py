@@ -15,7 +15,8 @@ from argparse import ArgumentParser, ArgumentTypeError
 from types import FrameType
 from typing import Any
 
-from django.core.management.base import BaseCommand
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import MAX_SECONDS
 from django_idempotency.management.commands.idempotency_purge import _batch_size
@@ -77,6 +78,12 @@ class Command(BaseCommand):
         parser.add_argument("--database", default=None, help='Default: IDEMPOTENCY["DATABASE"].')
 
     def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"]
+        if alias is not None and alias not in settings.DATABASES:
+            raise CommandError(
+                f"Unknown database alias {alias!r} (--database); DATABASES has "
+                f"{', '.join(settings.DATABASES)}."
+            )
         relay = Relay(
             using=options["database"],
             batch_size=options["batch_size"],
