@@ -9,6 +9,7 @@ core's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,7 +23,7 @@ from django.http.request import HttpHeaders, RawPostDataException
 from django.http.response import HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
-from django_idempotency.conf import SAFE_METHODS, conf
+from django_idempotency.conf import MAX_DURATION, MAX_SECONDS, SAFE_METHODS, conf
 from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import MissingKey, ProblemError
 from django_idempotency.fingerprint import canonical_data, canonical_form, fingerprint, is_form
@@ -35,10 +36,12 @@ HANDLED = "_idempotency_handled"
 #: Headers replayed for every response; ``REPLAY_HEADERS`` adds to these. They describe the
 #: stored bytes (a gzip body without ``Content-Encoding`` is corrupt for the client), how they
 #: are shown or saved, and how they may be cached: without ``Cache-Control: no-store`` a replay
-#: that carries personal data could be kept by a shared cache.
+#: that carries personal data could be kept by a shared cache. ``Allow`` belongs to a stored
+#: ``405``, which must carry it (RFC 9110, section 15.5.6).
 ALWAYS_REPLAYED = (
     "Content-Type",
     "Location",
+    "Allow",
     "Content-Encoding",
     "Content-Language",
     "Content-Disposition",
@@ -132,9 +135,22 @@ def _duration(name: str, value: timedelta | float | None) -> timedelta | None:
         raise ImproperlyConfigured(
             f"@idempotent({name}=...) must be a timedelta or a number of seconds, not {value!r}."
         )
+    if not isinstance(value, timedelta) and not (
+        math.isfinite(value) and abs(value) <= MAX_SECONDS
+    ):
+        raise ImproperlyConfigured(
+            f"@idempotent({name}=...) must be a finite duration of at most {MAX_DURATION} (ten "
+            f"years), not {value!r}."
+        )
     duration = value if isinstance(value, timedelta) else timedelta(seconds=value)
     if duration <= timedelta(0):
         raise ImproperlyConfigured(f"@idempotent({name}=...) must be longer than zero.")
+    if duration > MAX_DURATION:
+        # As for RECORD_TTL and LEASE: beyond it ``now + ttl`` nears year 9999, and the claim
+        # fails (MariaDB, SQLite) or writes a record Python cannot read back (PostgreSQL).
+        raise ImproperlyConfigured(
+            f"@idempotent({name}=...) must be at most {MAX_DURATION} (ten years), not {duration}."
+        )
     return duration
 
 

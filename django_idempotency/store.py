@@ -140,6 +140,11 @@ def advisory_lock_id(owner: str, key: str) -> int:
 
 PATH_LENGTH: int = IdempotencyRecord._meta.get_field("path").max_length  # type: ignore[assignment]
 """``IdempotencyRecord.path``'s ``max_length``."""
+_METHOD_FIELD = IdempotencyRecord._meta.get_field("method")
+METHOD_LENGTH: int = _METHOD_FIELD.max_length  # type: ignore[assignment]
+"""``IdempotencyRecord.method``'s ``max_length``. ``METHODS`` may list a longer method
+(``MKWORKSPACE``, ``VERSION-CONTROL``): the record keeps it cut, as it keeps a long path; the
+fingerprint holds it whole."""
 
 
 def stored_path(path: str) -> str:
@@ -192,6 +197,7 @@ class RecordStore:
         completed, in the same transaction (``ClaimResult.deferred``; migration
         ``0008_write_once``).
         """
+        method = method[:METHOD_LENGTH]
         values = ClaimValues(owner, key, fingerprint, method, stored_path(path), token, ttl, lease)
         vendor = self.connection.vendor
         for _ in range(3):
@@ -525,7 +531,8 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
 
 @dataclass(frozen=True)
 class ClaimValues:
-    """What a claim writes into a record (``path`` already cut to the column's length)."""
+    """What a claim writes into a record (``method`` and ``path`` already cut to their columns'
+    lengths)."""
 
     owner: str
     key: str

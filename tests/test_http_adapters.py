@@ -185,6 +185,34 @@ def test_invalid_arguments_raise_improperly_configured(
         idempotent(**kwargs)  # type: ignore[call-overload]
 
 
+@pytest.mark.parametrize(
+    "duration",
+    [timedelta(days=3_000_000), 10**12, float("inf"), float("nan")],
+    ids=["timedelta", "seconds", "infinity", "nan"],
+)
+def test_a_ttl_or_lease_beyond_ten_years_is_improperly_configured(duration: object) -> None:
+    """``ttl=timedelta(days=3_000_000)`` was accepted: then every request answered 500 on MariaDB
+    and SQLite, whose claim failed (``now + ttl`` past year 9999), and PostgreSQL stored records
+    that Python cannot read. Infinity and NaN raised OverflowError and ValueError. The limit is
+    that of the RECORD_TTL and LEASE settings."""
+    with pytest.raises(ImproperlyConfigured, match=r"at most 3650 days"):
+        idempotent(ttl=duration)  # type: ignore[call-overload]
+    with pytest.raises(ImproperlyConfigured, match=r"at most 3650 days"):
+        idempotent(atomic=False, lease=duration)  # type: ignore[call-overload]
+
+
+@pytest.mark.django_db
+def test_a_ttl_of_ten_years_is_stored() -> None:
+    @idempotent(ttl=timedelta(days=3650))
+    def view(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(b"ok", status=201)
+
+    request = RequestFactory().post("/x", b"{}", "application/json", HTTP_IDEMPOTENCY_KEY="k")
+    assert view(request).status_code == 201
+    stored = IdempotencyRecord.objects.get()
+    assert stored.expires_at - stored.created_at == timedelta(days=3650)
+
+
 def test_both_spellings_return_a_wrapped_view() -> None:
     def view(request: HttpRequest) -> HttpResponse:
         return HttpResponse()

@@ -9,10 +9,13 @@ from typing import Any
 
 import pytest
 from django.dispatch import Signal
-from django.test import Client, override_settings
+from django.http import HttpRequest, HttpResponse
+from django.http.response import HttpResponseBase
+from django.test import Client, RequestFactory, override_settings
 from django.utils import timezone
+from django.views.decorators.http import require_POST
 
-from django_idempotency import signals
+from django_idempotency import idempotent, signals
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.probe_views import ProbeError
 from tests.probes import body, effects, post, problem
@@ -50,6 +53,26 @@ def test_patch_is_handled_by_default(client: Client) -> None:
     again = post(client, URL, "k", method="patch")
     assert again.content == first.content
     assert effects() == 1
+
+
+@override_settings(IDEMPOTENCY={"METHODS": ["POST", "VERSION-CONTROL", "VERSION-CONTROLS"]})
+def test_a_method_longer_than_the_record_column_is_handled(client: Client) -> None:
+    """A listed method longer than ``IdempotencyRecord.method`` (10 characters) answered 500 on
+    PostgreSQL and MariaDB, which refused the value. The record keeps it cut; the fingerprint
+    keeps it whole, so another method of the same first 10 characters is another request."""
+
+    def send(method: str) -> Any:
+        headers = {"Idempotency-Key": "k"}
+        return client.generic(method, URL, b"{}", "application/json", headers=headers)
+
+    first = send("VERSION-CONTROL")
+    assert first.status_code == 201
+    again = send("VERSION-CONTROL")
+    assert again["Idempotent-Replayed"] == "true"
+    assert again.content == first.content
+    problem(send("VERSION-CONTROLS"), 422)
+    assert effects() == 1
+    assert record().method == "VERSION-CO"
 
 
 def test_no_key_on_an_optional_endpoint_runs_and_stores_nothing(client: Client) -> None:
@@ -179,6 +202,25 @@ def test_a_raw_set_cookie_header_is_neither_stored_nor_replayed(client: Client) 
     assert "Set-Cookie" not in again
     assert not again.cookies
     assert "secret-raw-cookie" not in str(record().response_headers)
+
+
+def test_a_stored_405_is_replayed_with_its_allow_header() -> None:
+    """A ``405`` must carry ``Allow`` (RFC 9110, section 15.5.6); a stored one was replayed
+    without it."""
+
+    @idempotent
+    @require_POST
+    def view(request: HttpRequest) -> HttpResponse:
+        return HttpResponse(status=201)
+
+    def patch() -> HttpResponseBase:
+        request = RequestFactory().patch(URL, b"{}", "application/json", HTTP_IDEMPOTENCY_KEY="k")
+        return view(request)
+
+    first, again = patch(), patch()
+    assert first.status_code == again.status_code == 405
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Allow"] == first["Allow"] == "POST"
 
 
 def test_json_key_order_and_whitespace_do_not_make_a_different_request(client: Client) -> None:

@@ -172,6 +172,18 @@ def test_a_path_without_a_view_is_handled_too(client: Client) -> None:
     assert again["Idempotent-Replayed"] == "true"
 
 
+@pytest.mark.django_db
+def test_a_405_is_replayed_with_its_allow_header(client: Client) -> None:
+    """A PATCH to a class-based view without ``patch()``: Django answers ``405`` with ``Allow``,
+    which a ``405`` must carry (RFC 9110); the middleware stored it and replayed it without."""
+    first = post(client, "/probe/mw/cbv-lease/", "k", method="patch")
+    again = post(client, "/probe/mw/cbv-lease/", "k", method="patch")
+    assert first.status_code == again.status_code == 405
+    assert again["Idempotent-Replayed"] == "true"
+    assert again["Allow"] == first["Allow"]
+    assert "PATCH" not in again["Allow"]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_path_with_a_nul_character_is_answered_and_kept_as_sent(client: Client) -> None:
     """``%00`` in a path decodes to NUL, which a PostgreSQL text column refuses: the claim
