@@ -33,6 +33,7 @@ from django.db.models import Exists, Field, Model
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from django_idempotency.exceptions import error_text
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.partitioning import EventInsert, event_insert
 from django_idempotency.pg_roundtrips import execute_apart_first, execute_first
@@ -459,11 +460,6 @@ def park(delivery: Delivery, using: str) -> bool:
             .update(parked_at=timezone.now())
             == 1
         )
-
-
-def error_text(error: BaseException) -> str:
-    """A failed delivery's error as the counter keeps it (``last_error``)."""
-    return f"{type(error).__name__}: {error}"[:2000]
 
 
 def record_error(

@@ -120,3 +120,17 @@ class OnCommitFailed(IdempotencyError):
     The event is applied and recorded, so a redelivery is skipped as a duplicate: the callback's
     work is not retried by redelivering. The original error is the ``__cause__``.
     """
+
+
+ERROR_TEXT_CHARS = 2000
+"""The most characters of an error that a ``last_error`` column keeps."""
+
+
+def error_text(error: BaseException, limit: int = ERROR_TEXT_CHARS) -> str:
+    """``error`` as a ``last_error`` column keeps it (a counter, an outbox message, a flow run):
+    ``"Type: message"``, cut to ``limit`` characters, in text every database stores. A NUL
+    (which PostgreSQL's text columns refuse) and a lone surrogate (which is not UTF-8, so no
+    driver can send it) are written as backslash escapes. Left in, they made the write that
+    keeps the error fail, and with it the transaction around it."""
+    text = f"{type(error).__name__}: {error}".replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:limit]

@@ -66,7 +66,12 @@ from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import conf
 from django_idempotency.core import Captured, Command, Idempotency, Replay, _Claim
 from django_idempotency.events import try_reserve
-from django_idempotency.exceptions import ProblemError, RequestInProgress, StaleClaim
+from django_idempotency.exceptions import (
+    ProblemError,
+    RequestInProgress,
+    StaleClaim,
+    error_text,
+)
 from django_idempotency.http import (
     Options,
     capture,
@@ -306,7 +311,7 @@ class _FlowCore(Idempotency):
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             return
         if flow is not None and flow.recorded:
-            flow._pause(f"{type(error).__name__}: {error}", count=True)
+            flow._pause(error_text(error), count=True)
             self._log(command, "raised", record=claim.record_id, level=logging.WARNING)
             return
         self._fresh_atomic(claim)
@@ -593,7 +598,7 @@ class Flow:
             if held:
                 FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
                     attempts=F("attempts") + (1 if count else 0),
-                    last_error=error[:2000],
+                    last_error=error,
                     updated_at=timezone.now(),
                 )
 

@@ -62,6 +62,7 @@ from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
 from django_idempotency.conf import conf
+from django_idempotency.exceptions import error_text
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import NOTIFY_CHANNEL
 from django_idempotency.transports import OutboxMessage, Transport, get_transport
@@ -76,7 +77,6 @@ PENDING, SENT, PARKED = (
     OutboxEntry.State.PARKED,
 )
 UNSENT = (PENDING, PARKED)
-ERROR_CHARS = 2000
 WAIT_SLICE = 0.5
 """The longest a wait blocks without checking whether the relay was asked to stop."""
 
@@ -305,7 +305,9 @@ class Relay:
                     locked_until=None, attempts=F("attempts") - 1
                 )
             for row, error in failures:
-                text = _error_text(error)
+                # Escaped so that every database stores it: left in, a NUL or a lone
+                # surrogate failed this transaction, and with it the batch's sent marks.
+                text = error_text(error)
                 if row.attempts >= self.max_attempts:
                     queryset.filter(pk=row.pk, locked_until=lease).update(
                         state=PARKED, locked_until=None, last_error=text
@@ -398,15 +400,6 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
-
-
-def _error_text(error: BaseException) -> str:
-    """The error as ``last_error`` keeps it, in text every database stores: a NUL (which a
-    PostgreSQL text column refuses) and a lone surrogate (which is not UTF-8) are written as
-    backslash escapes. Left in, they failed the record's transaction, and with it the sent marks
-    of the whole batch: it was sent again after every lease, and the message never parked."""
-    text = f"{type(error).__name__}: {error}".replace("\x00", "\\x00")
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")[:ERROR_CHARS]
 
 
 @contextmanager

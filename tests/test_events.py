@@ -425,6 +425,31 @@ def test_the_count_commits_apart_from_the_business_transaction() -> None:
     assert delivery.last_error == "Boom: the body failed"
 
 
+class Unstorable(Exception):
+    """An error whose text holds a NUL and a lone surrogate (an undecodable file name)."""
+
+    def __str__(self) -> str:
+        return "in caf\udce9 \x00 here"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("redelivered", [None, False], ids=["counted", "vouched"])
+def test_an_error_text_no_database_stores_is_kept_escaped(redelivered: bool | None) -> None:
+    """A NUL (refused by PostgreSQL) or a lone surrogate (not UTF-8) in the body's error made
+    the write that keeps it fail: a lone surrogate replaced the body's own error with a
+    ``UnicodeEncodeError``, and a NUL lost the error on PostgreSQL."""
+
+    def body() -> None:
+        raise Unstorable()
+
+    with pytest.raises(Unstorable):
+        process_event("ledger", "evt-unstorable", body, redelivered=redelivered)
+    delivery = EventDelivery.objects.get(event_id="evt-unstorable")
+    assert delivery.last_error == "Unstorable: in caf\\udce9 \\x00 here"
+    assert delivery.deliveries == 1
+    assert not ProcessedEvent.objects.exists()
+
+
 # --- process_event ------------------------------------------------------------------------------
 
 

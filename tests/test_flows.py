@@ -97,6 +97,32 @@ def test_a_retry_after_a_failure_resumes_at_the_first_phase_not_done(
     assert Effect.objects.get(name="flow-one", payload=key).pk == data["one"]
 
 
+class _UnstorableError(ProbeError):
+    """An error whose text holds a NUL and a lone surrogate (an undecodable file name)."""
+
+    def __str__(self) -> str:
+        return "in caf\udce9 \x00 here"
+
+
+def test_an_error_text_no_database_stores_is_kept_escaped_and_the_flow_resumes(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A NUL (refused by PostgreSQL) or a lone surrogate (not UTF-8) in the view's error made
+    the write that keeps the recovery point fail: the error was replaced by a database or
+    encoding error, and the lease was not given up."""
+    from testproject.shop import probe_flows
+
+    monkeypatch.setattr(probe_flows, "ProbeError", _UnstorableError)
+    key = str(uuid.uuid4())
+    with pytest.raises(_UnstorableError):
+        post(client, URL, key, headers={"X-Flow-Raise": "one"})
+    run = FlowRun.objects.get(record__key=key)
+    assert run.last_error == "_UnstorableError: in caf\\udce9 \\x00 here"
+    assert (run.recovery_point, run.attempts) == ("one", 1)
+    monkeypatch.undo()
+    assert post(client, URL, key).status_code == 201  # the lease was given up: resumes at once
+
+
 def test_a_model_result_comes_back_from_the_database_on_resume(client: Client) -> None:
     key = str(uuid.uuid4())
     with pytest.raises(ProbeError):
