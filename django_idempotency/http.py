@@ -96,7 +96,15 @@ class Options:
                 raise ImproperlyConfigured(
                     f"@idempotent(methods=...) takes a list of methods, not {methods!r}."
                 )
-            method_set = frozenset(method.upper() for method in methods)
+            listed = tuple(methods)
+            if not listed or not all(isinstance(method, str) and method for method in listed):
+                # An empty list fell back to METHODS, and b"POST" matched no request: both
+                # protected something other than what they said.
+                raise ImproperlyConfigured(
+                    f"@idempotent(methods=...) takes a list of method names such as ['POST'], "
+                    f"not {listed!r}. Leave it out to handle IDEMPOTENCY['METHODS']."
+                )
+            method_set = frozenset(method.upper() for method in listed)
             unsafe = ", ".join(sorted(method_set & SAFE_METHODS))
             if unsafe:
                 raise ImproperlyConfigured(

@@ -18,7 +18,8 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
 * When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.partitioning`), its
   ``delete_expired`` only deletes rows in the timeless and default partitions; day or month
   partitions are dropped whole by :func:`~django_idempotency.partitioning.maintain`, which
-  :func:`~django_idempotency.purge.purge_all` runs too.
+  :func:`~django_idempotency.purge.purge_all` runs too. No filter can narrow that, so a
+  filtered queryset's ``delete_expired`` raises ``NotSupportedError`` there.
 
 Each queryset works on ``IDEMPOTENCY["DATABASE"]``, or on the alias picked with ``.using()``;
 the database router is not consulted. :func:`django_idempotency.purge.purge_all` runs the purge
@@ -33,7 +34,7 @@ import time
 from contextlib import nullcontext
 from typing import Any, TypeVar
 
-from django.db import connections, models, transaction
+from django.db import NotSupportedError, connections, models, transaction
 from django.db.models import Q
 
 from django_idempotency import partitioning
@@ -250,7 +251,14 @@ class ProcessedEventQuerySet(ExpiringQuerySet[_M]):
             return super().delete_expired(batch_size, max_seconds, dry_run)
         # Range partitions are dropped whole by partitioning.maintain(); rows only need
         # deleting one by one in the timeless and default partitions (ids without time, late
-        # events). Filters on the queryset do not apply there.
+        # events). A filter cannot apply to either, so it is refused: it used to be ignored,
+        # and a purge narrowed to one consumer deleted every consumer's expired rows.
+        if self.query.has_filters():
+            raise NotSupportedError(
+                "ProcessedEvent is range-partitioned (EVENT_PARTITIONS): its purge drops whole "
+                "partitions and cannot be narrowed by a filter. Call "
+                "ProcessedEvent.objects.delete_expired() without one."
+            )
         return partitioning.purge_row_partitions(
             alias,
             batch_size=_batch_size(batch_size),

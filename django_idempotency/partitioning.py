@@ -52,6 +52,11 @@ TIMELESS_END = datetime(1970, 1, 2, tzinfo=UTC)
 """The upper bound of the timeless partition, which starts at ``MINVALUE``."""
 AHEAD = {"day": 7, "month": 2}
 """How many partitions beyond the current one :func:`ensure_partitions` keeps ready."""
+MAX_AHEAD = {"day": 366, "month": 24}
+"""The most partitions that may be asked for ahead: a year of days, two years of months. They
+are there for producers whose clocks run ahead; far more did not fit one transaction (ten years
+of days ran out of the server's lock table, "out of shared memory") or ran past the year 9999
+(an ``OverflowError``)."""
 LOCK_TIMEOUT = "2s"
 """How long maintenance DDL waits for a lock before giving up until the next run."""
 SQL_FUNCTION = "django_idempotency_event_time"
@@ -449,8 +454,11 @@ def _unique_constraint_name() -> str:
 def _horizon(moment: datetime, interval: str, ahead: int | None) -> datetime:
     """The upper bound the partitions must reach: ``ahead`` intervals past the current one."""
     count = AHEAD[interval] if ahead is None else ahead
-    if count < 0:
-        raise ValueError(f"ahead must be zero or more, not {count}.")
+    if not 0 <= count <= MAX_AHEAD[interval]:
+        raise ValueError(
+            f"ahead must be from 0 to {MAX_AHEAD[interval]} partitions of a {interval}, "
+            f"not {count}."
+        )
     end = next_bound(moment, interval)
     for _ in range(count):
         end = next_bound(end, interval)

@@ -173,6 +173,11 @@ def test_ttl_argument(client: Client) -> None:
         ({"lease": timedelta(seconds=5)}, "atomic=False"),
         ({"methods": ["POST", "GET"]}, "GET"),
         ({"methods": "POST"}, "list of methods"),
+        # An empty list fell back to METHODS; bytes matched no request: both silently
+        # protected something other than what they said.
+        ({"methods": []}, "method names"),
+        ({"methods": [b"POST"]}, "method names"),
+        ({"methods": ["POST", ""]}, "method names"),
         ({"ttl": 0}, "longer than zero"),
         ({"ttl": "1h"}, "timedelta"),
         ({"atomic": False, "lease": -1}, "longer than zero"),

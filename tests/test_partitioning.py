@@ -24,7 +24,7 @@ import pytest
 from django.core.checks import CheckMessage
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
-from django.db import connection, transaction
+from django.db import NotSupportedError, connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
@@ -193,6 +193,21 @@ def partitioned(db: None) -> Iterator[None]:
     with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
         partitioning.convert("default")
         yield
+
+
+@pytest.mark.postgres
+def test_a_filtered_purge_is_refused_on_the_partitioned_layout(partitioned: None) -> None:
+    """The filter was ignored: a purge narrowed to one consumer deleted every consumer's expired
+    rows in the timeless and default partitions."""
+    past = timezone.now() - timedelta(days=30)
+    for consumer in ("billing", "shipping"):
+        with transaction.atomic():
+            try_reserve("plain-id", consumer)
+    ProcessedEvent.objects.update(expires_at=past)
+    with pytest.raises(NotSupportedError, match="cannot be narrowed by a filter"):
+        ProcessedEvent.objects.filter(consumer="billing").delete_expired()
+    assert ProcessedEvent.objects.count() == 2
+    assert ProcessedEvent.objects.delete_expired().deleted == 2
 
 
 @pytest.mark.postgres
@@ -393,6 +408,16 @@ def test_the_purge_maintains_the_partitions_of_each_database_it_is_given() -> No
         }
     assert events["default"].partitions is None  # "default" keeps the plain table
     assert events["other"].partitions is not None and events["other"].partitions.dry_run
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("ahead", ["-1", "367", "3651", "10000000"])
+def test_command_refuses_partitions_too_far_ahead(transactional_db: Any, ahead: str) -> None:
+    """``--ahead 3651`` (days) ran out of the server's lock table ("out of shared memory"), and
+    ``--ahead 10000000`` past the year 9999: tracebacks, both."""
+    with pytest.raises(CommandError, match=f"ahead must be from 0 to 366 .* not {ahead}"):
+        call_command("idempotency_partitions", "convert", "--interval", "day", "--ahead", ahead)
+    assert not partitioning.is_partitioned("default")  # the conversion rolled back
 
 
 @pytest.mark.postgres

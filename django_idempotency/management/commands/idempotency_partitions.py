@@ -43,7 +43,8 @@ class Command(BaseCommand):
             metavar="N",
             help="Partitions to keep ready past the current one "
             f"(default: {partitioning.AHEAD['day']} days or "
-            f"{partitioning.AHEAD['month']} months).",
+            f"{partitioning.AHEAD['month']} months; at most {partitioning.MAX_AHEAD['day']} "
+            f"or {partitioning.MAX_AHEAD['month']}).",
         )
         parser.add_argument(
             "--dry-run", action="store_true", help="maintain: say what would change."
