@@ -17,6 +17,7 @@ django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
 django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
 django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
 django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
+django_idempotency.E032 An ``OUTBOX_TRANSPORTS`` backend does not take its ``OPTIONS``.
 django_idempotency.E040 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
 django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 ======================  =====================================================================
@@ -195,4 +196,21 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
                     id="django_idempotency.E031",
                 )
             )
+            continue
+        options = entry.get("OPTIONS", {})
+        try:
+            # Checked without building the transport (which may connect to a broker).
+            inspect.signature(cls).bind(**options)
+        except TypeError as exc:
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['OPTIONS'] = {options!r} "
+                    f"does not fit {backend}: {exc}.",
+                    hint="Name only the options its __init__ takes; a misspelt one would fail "
+                    "every message at send time, until each is parked.",
+                    id="django_idempotency.E032",
+                )
+            )
+        except ValueError:
+            continue  # no signature to read (a builtin): the relay will say at send time
     return messages

@@ -461,8 +461,25 @@ def test_a_bad_transport_raises_improperly_configured(entry: dict[str, Any], mat
         ({"default": {"BACKEND": "a.B", "OPTS": {}}}, "django_idempotency.E002"),
         ({"default": {"BACKEND": "no_such_module.Transport"}}, "django_idempotency.E030"),
         ({"default": {"BACKEND": "tests.test_relay.states"}}, "django_idempotency.E031"),
+        # A misspelt option passed every check, then failed every message until it was parked.
+        (
+            {
+                "default": {
+                    "BACKEND": "django_idempotency.transports.CeleryTransport",
+                    "OPTIONS": {"transaction": True},
+                }
+            },
+            "django_idempotency.E032",
+        ),
     ],
-    ids=["no-default", "not-dotted", "unknown-key", "not-importable", "not-a-transport"],
+    ids=[
+        "no-default",
+        "not-dotted",
+        "unknown-key",
+        "not-importable",
+        "not-a-transport",
+        "unknown-option",
+    ],
 )
 def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
@@ -472,7 +489,10 @@ def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
 
 def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
     value = {
-        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "default": {
+            "BACKEND": "django_idempotency.transports.CeleryTransport",
+            "OPTIONS": {"transactions": False},
+        },
         "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
     }
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
