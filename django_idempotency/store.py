@@ -140,8 +140,7 @@ def advisory_lock_id(owner: str, key: str) -> int:
 
 PATH_LENGTH: int = IdempotencyRecord._meta.get_field("path").max_length  # type: ignore[assignment]
 """``IdempotencyRecord.path``'s ``max_length``."""
-_METHOD_FIELD = IdempotencyRecord._meta.get_field("method")
-METHOD_LENGTH: int = _METHOD_FIELD.max_length  # type: ignore[assignment]
+METHOD_LENGTH: int = IdempotencyRecord._meta.get_field("method").max_length  # type: ignore[assignment]
 """``IdempotencyRecord.method``'s ``max_length``. ``METHODS`` may list a longer method
 (``MKWORKSPACE``, ``VERSION-CONTROL``): the record keeps it cut, as it keeps a long path; the
 fingerprint holds it whole."""

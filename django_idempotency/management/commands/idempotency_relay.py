@@ -15,11 +15,11 @@ from argparse import ArgumentParser, ArgumentTypeError
 from types import FrameType
 from typing import Any
 
-from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import MAX_SECONDS
 from django_idempotency.management.commands.idempotency_purge import _batch_size
+from django_idempotency.purge import purged_databases
 from django_idempotency.relay import BatchResult, Relay
 from django_idempotency.transports import close_transports
 
@@ -78,14 +78,13 @@ class Command(BaseCommand):
         parser.add_argument("--database", default=None, help='Default: IDEMPOTENCY["DATABASE"].')
 
     def handle(self, *args: Any, **options: Any) -> None:
-        alias = options["database"]
-        if alias is not None and alias not in settings.DATABASES:
-            raise CommandError(
-                f"Unknown database alias {alias!r} (--database); DATABASES has "
-                f"{', '.join(settings.DATABASES)}."
-            )
+        try:
+            # An alias that is not in DATABASES is refused as idempotency_purge refuses it.
+            [alias] = purged_databases(options["database"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from exc
         relay = Relay(
-            using=options["database"],
+            using=alias,
             batch_size=options["batch_size"],
             lease=options["lease"],
             backoff=options["backoff"],
