@@ -41,7 +41,7 @@ def build_rows() -> dict[str, Callable[[], Any]]:
     from django.utils import timezone
 
     from bench.benchproject.models import Effect
-    from django_idempotency import event_store
+    from django_idempotency.events import store as event_store
     from django_idempotency.models import ProcessedEvent
 
     if connection.vendor != "postgresql":

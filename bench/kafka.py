@@ -1,11 +1,12 @@
 """Kafka: messages per second through the consumer runner, with and without the reservation.
 
-Both rows run the same :class:`django_idempotency.kafka.ConsumerRunner` loop on librdkafka's mock
+Both rows run the same :class:`django_idempotency.kafka.runner.ConsumerRunner` loop on
+librdkafka's mock
 cluster (started in this process): poll, one ``transaction.atomic`` per message that inserts one
 ``Effect``, then a synchronous offset commit. They differ in the transaction only:
 
 * ``handler alone``: the handler in ``transaction.atomic`` (an unprotected consumer);
-* ``with the reservation``: :func:`~django_idempotency.events.process_event`, as the runner
+* ``with the reservation``: :func:`~django_idempotency.events.core.process_event`, as the runner
   does: the reservation and the handler in one transaction; the delivery count, committed
   apart, only until the partition has applied a message (here, the first message);
 * ``with the reservation, every message counted``: the same with a delivery count before
@@ -53,8 +54,8 @@ def run(messages: int, rounds: int) -> dict[str, Any]:
     from django.db import transaction
 
     from bench.benchproject.models import Effect
-    from django_idempotency.kafka import ConsumerRunner, Outcome
-    from django_idempotency.kafka_settings import ConsumerSettings
+    from django_idempotency.kafka.runner import ConsumerRunner, Outcome
+    from django_idempotency.kafka.settings import ConsumerSettings
 
     owner = Producer({"test.mock.num.brokers": 1, "log_level": 3})
     bootstrap = ",".join(

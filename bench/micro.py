@@ -89,7 +89,7 @@ class Floor:
     def __init__(self, pooled: bool) -> None:
         from django.db import connection
 
-        from django_idempotency.store import CLAIM_POSTGRESQL, _statements, advisory_lock_id
+        from django_idempotency.http.store import CLAIM_POSTGRESQL, _statements, advisory_lock_id
 
         connection.ensure_connection()
         self.vendor = connection.vendor

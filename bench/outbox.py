@@ -114,7 +114,8 @@ def publish_cost(transactions: int, rounds: int) -> dict[str, Any]:
     from django.db import connection, transaction
     from django.test.utils import CaptureQueriesContext
 
-    from django_idempotency import new_event_id, outbox
+    from django_idempotency import new_event_id
+    from django_idempotency.outbox import core as outbox
     from testproject.shop.models import Order
     from testproject.shop.tasks import effect
 
@@ -184,7 +185,7 @@ class NullTransport:
 def fill(count: int, queue_name: str) -> None:
     from django.db import transaction
 
-    from django_idempotency import outbox
+    from django_idempotency.outbox import core as outbox
 
     for start in range(0, count, 500):
         with transaction.atomic():
@@ -214,8 +215,8 @@ def vacuum() -> None:
 
 def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
     from django_idempotency.models import OutboxEntry
-    from django_idempotency.relay import Relay
-    from django_idempotency.transports import CeleryTransport, OutboxMessage
+    from django_idempotency.outbox.relay import Relay
+    from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
     from testproject.celery import app
 
     results: dict[str, Any] = {}
@@ -276,8 +277,9 @@ def latency(count: int, rate: float, tmp: Path) -> dict[str, Any]:
     from django.test import override_settings
     from django.utils import timezone
 
-    from django_idempotency import new_event_id, outbox
+    from django_idempotency import new_event_id
     from django_idempotency.models import OutboxEntry
+    from django_idempotency.outbox import core as outbox
     from testproject.shop.models import Effect
     from testproject.shop.tasks import effect
     from tests.outbox_helpers import celery_transports, start_relay

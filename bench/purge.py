@@ -180,8 +180,8 @@ class Inserters:
     def _run(self, index: int) -> None:
         import psycopg
 
-        from django_idempotency.events import new_event_id
-        from django_idempotency.partitioning import partition_time
+        from django_idempotency.events.core import new_event_id
+        from django_idempotency.retention.partitioning import partition_time
 
         if self.partitioned:
             sql = (
@@ -330,7 +330,7 @@ def bench_delete(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def bench_drop(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    from django_idempotency import partitioning
+    from django_idempotency.retention import partitioning
 
     execute(f"TRUNCATE {TABLE}")
     partitioning.convert("default", "day")

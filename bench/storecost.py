@@ -50,7 +50,7 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
     _setup()
     from django.db import connection, transaction
 
-    from django_idempotency import store as after
+    from django_idempotency.http import store as after
 
     before = _load(before_path)
     stores = {"before": before.RecordStore("default"), "after": after.RecordStore("default")}
@@ -143,7 +143,10 @@ def run(before_path: str, calls: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("before", help="an older django_idempotency/store.py")
+    parser.add_argument(
+        "before",
+        help="an older django_idempotency/http/store.py (store.py before the layout move)",
+    )
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args(argv)
     print(json.dumps(run(args.before, args.calls)))

@@ -16,6 +16,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0.0.0"
 
 __all__ = [
+    "IdempotentConsumer",
     "__version__",
     "idempotent",
     "idempotent_consumer",
@@ -25,19 +26,21 @@ __all__ = [
 ]
 
 _LAZY = {
-    "idempotent": "django_idempotency.decorators",
-    "idempotent_consumer": "django_idempotency.consumers",
-    "idempotent_task": "django_idempotency.django_tasks",
-    "new_event_id": "django_idempotency.event_ids",
-    "try_reserve": "django_idempotency.events",
+    "IdempotentConsumer": "django_idempotency.events.celery",
+    "idempotent": "django_idempotency.http.decorators",
+    "idempotent_consumer": "django_idempotency.events.consumers",
+    "idempotent_task": "django_idempotency.events.django_tasks",
+    "new_event_id": "django_idempotency.events.ids",
+    "try_reserve": "django_idempotency.events.core",
 }
 
 if TYPE_CHECKING:
-    from django_idempotency.consumers import idempotent_consumer
-    from django_idempotency.decorators import idempotent
-    from django_idempotency.django_tasks import idempotent_task
-    from django_idempotency.event_ids import new_event_id
-    from django_idempotency.events import try_reserve
+    from django_idempotency.events.celery import IdempotentConsumer
+    from django_idempotency.events.consumers import idempotent_consumer
+    from django_idempotency.events.core import try_reserve
+    from django_idempotency.events.django_tasks import idempotent_task
+    from django_idempotency.events.ids import new_event_id
+    from django_idempotency.http.decorators import idempotent
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,9 @@ page is therefore read-only (rows can be deleted), and each list page stays chea
   (:mod:`django_idempotency.templatetags.idempotency_admin`), not a ``DISTINCT`` over the table;
 * search is an exact match, never a ``LIKE '%...%'`` scan;
 * the list never loads stored response bodies, and there are no related-object queries (N+1).
+
+Why this module is long: five ModelAdmins (records, processed events, deliveries, outbox, flow
+runs) share their filters, actions and display helpers; each is short.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from django.utils.translation import gettext_lazy as _
 from django.utils.translation import ngettext
 from django.views.decorators.http import require_POST
 
+from django_idempotency.http.owner import display_owner
 from django_idempotency.managers import PurgeResult
 from django_idempotency.models import (
     EventDelivery,
@@ -49,7 +53,6 @@ from django_idempotency.models import (
     OutboxEntry,
     ProcessedEvent,
 )
-from django_idempotency.owner import display_owner
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[Any]

@@ -9,4 +9,5 @@ class DjangoIdempotencyConfig(AppConfig):
 
     def ready(self) -> None:
         # Importing the check modules registers their system checks.
-        from django_idempotency import checks, http_checks  # noqa: F401
+        import django_idempotency.checks
+        import django_idempotency.http.checks  # noqa: F401

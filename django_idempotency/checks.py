@@ -35,9 +35,9 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import OPTIONS, SETTING_NAME, conf
-from django_idempotency.kafka_settings import check_consumers as check_kafka_consumers
+from django_idempotency.kafka.settings import check_consumers as check_kafka_consumers
 
-MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
+MIDDLEWARE_PATH = "django_idempotency.http.middleware.IdempotencyMiddleware"
 AUTHENTICATION_MIDDLEWARE_PATH = "django.contrib.auth.middleware.AuthenticationMiddleware"
 MIN_RECORD_TTL = timedelta(hours=24)
 OWNER_ERROR = "django_idempotency.E005"
@@ -181,7 +181,7 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
                     f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
                     f"cannot be imported: {exc}.",
                     hint="Point it at a transport class, such as "
-                    "'django_idempotency.transports.CeleryTransport', and install its "
+                    "'django_idempotency.outbox.transports.CeleryTransport', and install its "
                     "dependencies.",
                     id="django_idempotency.E030",
                 )
@@ -192,7 +192,7 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
                 Error(
                     f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
                     "is not an outbox transport: it lacks send(messages) or close().",
-                    hint="See django_idempotency.transports.Transport for the interface.",
+                    hint="See django_idempotency.outbox.transports.Transport for the interface.",
                     id="django_idempotency.E031",
                 )
             )

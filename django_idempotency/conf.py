@@ -21,14 +21,13 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
-if TYPE_CHECKING:
-    from django_idempotency.kafka_settings import ConsumerSettings
+from django_idempotency.kafka.settings import ConsumerSettings, parse_consumers
 
 SETTING_NAME = "IDEMPOTENCY"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
@@ -180,8 +179,6 @@ def _boolean(name: str, value: Any) -> bool:
 
 
 def _kafka_consumers(name: str, value: Any) -> Any:
-    from django_idempotency.kafka_settings import parse_consumers
-
     return parse_consumers(name, value)
 
 
@@ -311,7 +308,7 @@ OPTIONS: dict[str, Option] = {
         timedelta(days=7), _duration, "How long a sent outbox message is kept before the purge."
     ),
     "OUTBOX_TRANSPORTS": Option(
-        {"default": {"BACKEND": "django_idempotency.transports.CeleryTransport"}},
+        {"default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"}},
         _outbox_transports,
         "Named transports the outbox relay sends through: {name: {BACKEND, OPTIONS}}.",
     ),
@@ -472,3 +469,14 @@ def _setting_changed(*, setting: str, **kwargs: Any) -> None:
 
 
 setting_changed.connect(_setting_changed, dispatch_uid="django_idempotency.conf")
+
+
+def consumer_settings(name: str) -> ConsumerSettings:
+    """The settings of the consumer ``name``; ImproperlyConfigured if there is none."""
+    consumers = conf.KAFKA_CONSUMERS
+    if name not in consumers:
+        known = ", ".join(map(repr, consumers)) or "none"
+        raise ImproperlyConfigured(
+            f"No Kafka consumer named {name!r}: IDEMPOTENCY['KAFKA_CONSUMERS'] has {known}."
+        )
+    return consumers[name]

@@ -134,3 +134,27 @@ def error_text(error: BaseException, limit: int = ERROR_TEXT_CHARS) -> str:
     keeps the error fail, and with it the transaction around it."""
     text = f"{type(error).__name__}: {error}".replace("\x00", "\\x00")
     return text.encode("utf-8", "backslashreplace").decode("utf-8")[:limit]
+
+
+_CONTROL = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F)} | {
+    0x85: "\\x85",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def log_text(value: object, limit: int = 500) -> str:
+    """``value`` (a path, an event id, a key, a destination: anything from outside) as a log
+    line may carry it: control characters (a newline, a carriage return, ESC, a NUL) and lone
+    surrogates are written as backslash escapes, and the text is cut to ``limit`` characters.
+    Logged raw, ``%0A`` in a path or an ESC sequence in an event id would forge log lines or
+    rewrite a terminal, as in Django's own request logging before CVE-2025-48432."""
+    text = (
+        value
+        if isinstance(value, str)
+        else repr(value)
+        if isinstance(value, bytes)
+        else str(value)
+    )
+    text = text[:limit].translate(_CONTROL)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -15,14 +15,17 @@ Every model gets ``objects.delete_expired(batch_size=None, max_seconds=None, dry
 * :class:`~django_idempotency.models.EventDelivery` rows are deleted at ``expires_at`` whether or
   not they are parked: a parked event stays parked (and visible in the admin) until its row
   expires, and a replay after that is counted afresh and can be parked again.
-* When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.partitioning`), its
+* When ``ProcessedEvent`` is range-partitioned (:mod:`django_idempotency.retention.partitioning`),
+its
   ``delete_expired`` only deletes rows in the timeless and default partitions; day or month
-  partitions are dropped whole by :func:`~django_idempotency.partitioning.maintain`, which
-  :func:`~django_idempotency.purge.purge_all` runs too. No filter can narrow that, so a
+  partitions are dropped whole by :func:`~django_idempotency.retention.partitioning.maintain`,
+  which
+  :func:`~django_idempotency.retention.purge.purge_all` runs too. No filter can narrow that, so a
   filtered queryset's ``delete_expired`` raises ``NotSupportedError`` there.
 
 Each queryset works on ``IDEMPOTENCY["DATABASE"]``, or on the alias picked with ``.using()``;
-the database router is not consulted. :func:`django_idempotency.purge.purge_all` runs the purge
+the database router is not consulted. :func:`django_idempotency.retention.purge.purge_all` runs
+the purge
 over the four tables (records, processed events, deliveries and
 sent outbox messages) of every database that holds them.
 """
@@ -32,15 +35,15 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from django.db import NotSupportedError, connections, models, transaction
 from django.db.models import Q
 
-from django_idempotency import partitioning
 from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import MAX_BATCH_SIZE, conf
-from django_idempotency.reports import PurgeResult, TableStats
+from django_idempotency.retention import partitioning
+from django_idempotency.retention.reports import PurgeResult, TableStats
 
 __all__ = [
     "DatabaseNow",
@@ -53,15 +56,6 @@ __all__ = [
 ]
 
 _M = TypeVar("_M", bound=models.Model)
-
-
-def __getattr__(name: str) -> Any:
-    # purge_all moved to purge.py, which imports the models (and so this module).
-    if name == "purge_all":
-        from django_idempotency.purge import purge_all
-
-        return purge_all
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _batch_size(value: int | None) -> int:

@@ -8,7 +8,7 @@
 * :class:`EventDelivery` counts deliveries of an event, committed apart from the business
   transaction, so a message that keeps killing its worker can be parked.
 * :class:`OutboxEntry` is a message waiting to leave: written in the producer's transaction, sent
-  by the relay after it commits (:mod:`django_idempotency.outbox`).
+  by the relay after it commits (:mod:`django_idempotency.outbox.core`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class IdempotencyRecord(models.Model):
 
 
 class FlowRun(models.Model):
-    """The recovery point of one multi-step request; see :mod:`django_idempotency.flows`."""
+    """The recovery point of one multi-step request; see :mod:`django_idempotency.flows.phases`."""
 
     class State(models.TextChoices):
         RUNNING = "running", _("running")

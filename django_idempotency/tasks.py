@@ -18,8 +18,8 @@ from typing import Any
 
 from django_idempotency.conf import conf
 from django_idempotency.extras import missing_extra
-from django_idempotency.purge import purge_all
-from django_idempotency.reports import PurgeResult
+from django_idempotency.retention.purge import purge_all
+from django_idempotency.retention.reports import PurgeResult
 
 try:
     from celery import shared_task
@@ -66,12 +66,13 @@ COMPLETE_FLOWS_TASK_NAME = "django_idempotency.complete_flows"
 def complete_flows(
     limit: int | None = None, max_attempts: int | None = None
 ) -> list[dict[str, Any]]:
-    """Finish phased requests abandoned past their lease (see :mod:`django_idempotency.completer`).
+    """Finish phased requests abandoned past their lease (see
+    :mod:`django_idempotency.flows.completer`).
 
     Schedule it with beat every minute or so, as ``"django_idempotency.complete_flows"``.
     Returns one ``Completion.as_dict()`` per run handled.
     """
-    from django_idempotency.completer import (
+    from django_idempotency.flows.completer import (
         DEFAULT_LIMIT,
         DEFAULT_MAX_ATTEMPTS,
         complete_abandoned,
@@ -97,6 +98,6 @@ def relay_outbox(max_seconds: float = 50.0, batch_size: int = 500) -> dict[str, 
     when they do, they share the work as several relays do. Latency is up to the schedule's
     period. Returns the totals (claimed, sent, failed, parked, released, batches).
     """
-    from django_idempotency.relay import Relay
+    from django_idempotency.outbox.relay import Relay
 
     return Relay(batch_size=batch_size).drain(max_seconds=max_seconds).as_dict()

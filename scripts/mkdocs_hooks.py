@@ -4,7 +4,7 @@
   accepts (``python`` from ``python_requires``, the others from ``install_requires`` and the
   extras), so the documented requirements cannot drift from the packaged ones. An unknown name
   fails the build.
-* The package's docstrings use Sphinx roles (``:class:`~django_idempotency.core.Command```),
+* The package's docstrings use Sphinx roles (``:class:`~django_idempotency.http.core.Command```),
   which read well in the source and in IDEs. mkdocstrings renders them as Markdown, leaving the
   role name in front of the code span; a hook drops it, and shortens a ``~``-prefixed path to its
   last part as Sphinx does.

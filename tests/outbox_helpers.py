@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from django_idempotency.transports import CeleryTransport, OutboxMessage
+from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
 
 REPO = Path(__file__).resolve().parent.parent
-CELERY_BACKEND = "django_idempotency.transports.CeleryTransport"
+CELERY_BACKEND = "django_idempotency.outbox.transports.CeleryTransport"
 
 
 def celery_transports(broker_url: str, backend: str = CELERY_BACKEND, **options: Any) -> str:

@@ -26,7 +26,8 @@ def main(queue: str) -> None:
     django.setup()
     from django.db import transaction
 
-    from django_idempotency import new_event_id, outbox
+    from django_idempotency import new_event_id
+    from django_idempotency.outbox import core as outbox
     from testproject.shop.models import Order
     from testproject.shop.tasks import effect
 

@@ -74,7 +74,7 @@ def test_event_cost_benchmark_runs_every_row(scratch_url: str) -> None:
 def test_store_cost_benchmark_runs_every_row(scratch_url: str) -> None:
     """``bench/storecost.py`` compares two versions of the store; here the current one twice."""
     run_python(["-m", "bench.benchproject.prepare"], scratch_url)
-    store = str(REPO / "django_idempotency" / "store.py")
+    store = str(REPO / "django_idempotency" / "http" / "store.py")
 
     out = run_python(["-m", "bench.storecost", store, "--calls", "3"], scratch_url)
 

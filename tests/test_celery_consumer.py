@@ -13,7 +13,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from django.db import OperationalError, connection, transaction
 
 from django_idempotency import new_event_id
-from django_idempotency.celery import IdempotentConsumer, IdempotentConsumerMixin
+from django_idempotency.events.celery import IdempotentConsumer, IdempotentConsumerMixin
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.celery import app

@@ -7,7 +7,7 @@ from django.test import override_settings
 from django_idempotency.checks import check_middleware_order, check_settings
 
 AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
-IDEM = "django_idempotency.middleware.IdempotencyMiddleware"
+IDEM = "django_idempotency.http.middleware.IdempotencyMiddleware"
 
 
 def ids(messages: list[CheckMessage]) -> list[str | None]:

@@ -14,7 +14,7 @@ from django.test import Client
 
 from django_idempotency.checks import check_binary_collation
 from django_idempotency.collation import BINARY_COLLATION, non_binary_columns, set_collation
-from django_idempotency.events import count_delivery, try_reserve
+from django_idempotency.events.core import count_delivery, try_reserve
 from django_idempotency.models import EventDelivery, IdempotencyRecord
 from tests.probes import effects, post
 

@@ -12,8 +12,8 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 from django.utils import timezone
 
-from django_idempotency.completer import complete_abandoned, delete_orphans
-from django_idempotency.flows import FlowFailed
+from django_idempotency.flows.completer import complete_abandoned, delete_orphans
+from django_idempotency.flows.phases import FlowFailed
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from django_idempotency.tasks import complete_flows
 from testproject.shop import probe_flows

@@ -21,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency import new_event_id
-from django_idempotency.events import process_event
+from django_idempotency.events.core import process_event
 from django_idempotency.exceptions import EventParked, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.signals import event_duplicate, event_parked
@@ -148,7 +148,7 @@ def test_a_failed_delivery_is_counted_and_the_next_one_too() -> None:
 def test_the_guard_finds_a_processed_event_in_its_partition() -> None:
     """With EVENT_PARTITIONS, the guard asks for the partition key too, as the reservation's
     conflict target does."""
-    from django_idempotency import partitioning
+    from django_idempotency.retention import partitioning
 
     with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
         partitioning.convert("default")  # inside the test's transaction: rolled back after
@@ -438,7 +438,7 @@ POISON = textwrap.dedent(
     import django
     django.setup()
     from django.test import override_settings
-    from django_idempotency.events import process_event
+    from django_idempotency.events.core import process_event
     from django_idempotency.exceptions import EventParked
     from testproject.shop.models import Effect
 

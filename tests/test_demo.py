@@ -18,7 +18,7 @@ from django.core.management import CommandError, call_command
 from django.test import Client
 
 from django_idempotency.models import IdempotencyRecord, OutboxEntry, ProcessedEvent
-from django_idempotency.relay import Relay
+from django_idempotency.outbox.relay import Relay
 from testproject.shop.models import LedgerEntry, Order, Payment
 from testproject.shop.tasks import apply_order_confirmed
 

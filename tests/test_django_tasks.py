@@ -23,7 +23,7 @@ from django.test import Client
 
 from django_idempotency import idempotent_task
 from django_idempotency.conf import conf
-from django_idempotency.events import count_delivery
+from django_idempotency.events.core import count_delivery
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect, LedgerEntry, Order
 from tests.workers import REPO

@@ -24,8 +24,8 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import new_event_id, signals, try_reserve
-from django_idempotency.event_store import insert_new, mysql_errno
-from django_idempotency.events import count_delivery, normalize_event_id, process_event
+from django_idempotency.events.core import count_delivery, normalize_event_id, process_event
+from django_idempotency.events.store import insert_new, mysql_errno
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
@@ -620,7 +620,7 @@ def test_new_event_ids_from_threads_are_unique() -> None:
 @pytest.mark.django_db
 def test_try_reserve_on_the_partitioned_layout() -> None:
     """With EVENT_PARTITIONS, the partition key joins the insert and the conflict target."""
-    from django_idempotency import partitioning
+    from django_idempotency.retention import partitioning
 
     with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
         partitioning.convert("default")  # inside the test's transaction: rolled back after
@@ -644,7 +644,7 @@ def test_try_reserve_on_the_partitioned_layout() -> None:
 def test_new_event_ids_stay_ordered_when_the_clock_steps_back_or_the_counter_overflows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from django_idempotency import event_ids as events
+    from django_idempotency.events import ids as events
 
     ahead = time.time_ns() // 1_000_000 + 60_000  # the last id came from a clock a minute ahead
     monkeypatch.setattr(events, "_uuid7_last_ms", ahead)
@@ -658,7 +658,7 @@ def test_new_event_ids_stay_ordered_when_the_clock_steps_back_or_the_counter_ove
 
 
 def test_a_forked_child_starts_a_fresh_uuid7_sequence() -> None:
-    from django_idempotency import event_ids as events
+    from django_idempotency.events import ids as events
 
     new_event_id()
     events._reset_uuid7_state()  # what os.register_at_fork runs in the child
@@ -707,7 +707,7 @@ def test_a_lock_timeout_inside_try_reserve_propagates() -> None:
 def test_a_failed_delivery_leaves_no_error_on_an_event_processed_meanwhile() -> None:
     """Celery's autoretry publishes the retry before the failed delivery ends; the retry may
     apply the event (clearing the error) before the failed one records its error."""
-    from django_idempotency import event_store
+    from django_idempotency.events import store as event_store
 
     count_delivery("evt-late-error", "billing")
     delivery = event_store.Delivery("billing", "evt-late-error", "", 1, False)
@@ -722,7 +722,7 @@ def test_a_failed_delivery_leaves_no_error_on_an_event_processed_meanwhile() -> 
 @pytest.mark.django_db(transaction=True)
 def test_a_failed_delivery_leaves_no_error_once_a_later_delivery_counted_itself() -> None:
     """The later delivery clears the error only if it was there first; after it, none lands."""
-    from django_idempotency import event_store
+    from django_idempotency.events import store as event_store
 
     first = count_delivery("evt-later", "billing")
     count_delivery("evt-later", "billing")  # the retry, counted before the first one ends

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from django_idempotency.fingerprint import canonical_body, fingerprint, is_json
+from django_idempotency.http.fingerprint import canonical_body, fingerprint, is_json
 
 JSON = "application/json"
 

@@ -18,7 +18,7 @@ from django.test import Client, RequestFactory, override_settings
 from django.utils import timezone
 
 from django_idempotency import idempotent
-from django_idempotency.flows import Flow, FlowFailed, derive_key, record_key
+from django_idempotency.flows.phases import Flow, FlowFailed, derive_key, record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord, ProcessedEvent
 from testproject.shop.models import Effect
 from testproject.shop.probe_flows import REMOTE_CALLS, ProbeError
@@ -375,7 +375,7 @@ def test_concurrent_resumes_and_the_completer_race_to_one_run(client: Client) ->
     """Eight retries and the completer resume one abandoned flow at once: one of them runs."""
     import threading
 
-    from django_idempotency.completer import complete_abandoned
+    from django_idempotency.flows.completer import complete_abandoned
     from tests.probes import in_thread
 
     key = str(uuid.uuid4())

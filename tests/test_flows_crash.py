@@ -26,8 +26,8 @@ from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency.completer import complete_abandoned
-from django_idempotency.flows import record_key
+from django_idempotency.flows.completer import complete_abandoned
+from django_idempotency.flows.phases import record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Effect, Receipt, Ride
 from tests.conftest import require_service

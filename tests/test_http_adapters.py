@@ -18,8 +18,8 @@ from django.http import HttpRequest, HttpResponse
 from django.test import AsyncClient, Client, RequestFactory
 
 from django_idempotency import idempotent
-from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import KeyReused
+from django_idempotency.http.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError
@@ -288,7 +288,7 @@ def test_a_cancelled_async_request_leaves_no_transaction_open(
 ) -> None:
     """The client goes away while the claim runs (made slow here): the claim still finishes
     in its thread, then is rolled back; no transaction stays open on the connection."""
-    from django_idempotency.store import RecordStore
+    from django_idempotency.http.store import RecordStore
 
     claim = RecordStore.claim
 

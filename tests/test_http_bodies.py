@@ -16,7 +16,7 @@ from django.test.client import encode_multipart
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from django_idempotency.fingerprint import canonical_form, fingerprint
+from django_idempotency.http.fingerprint import canonical_form, fingerprint
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from tests.probes import body, effects, post, problem

@@ -10,7 +10,7 @@ from django.db import connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import Client, override_settings
 
-from django_idempotency.http_checks import check_http_views
+from django_idempotency.http.checks import check_http_views
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.probe_views import ProbeError
 from tests.probes import effects, post

@@ -13,7 +13,7 @@ from django.contrib.auth.models import AnonymousUser, User
 from django.db import connection
 from django.test import Client, RequestFactory, override_settings
 
-from django_idempotency.drf import authenticated_request
+from django_idempotency.http.drf import authenticated_request
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.probe_views import DrfPlain
 from tests.probes import effects, post, problem

@@ -13,13 +13,13 @@ from django.http import HttpRequest
 from django.test import Client, RequestFactory, override_settings
 from django.utils.crypto import salted_hmac
 
-from django_idempotency.models import IdempotencyRecord
-from django_idempotency.owner import (
+from django_idempotency.http.owner import (
     AUTHORIZATION_SALT,
     default_owner,
     display_owner,
     resolve_owner,
 )
+from django_idempotency.models import IdempotencyRecord
 from tests.probes import body, effects, post
 
 pytestmark = pytest.mark.django_db

@@ -16,9 +16,9 @@ from django.test import Client, override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import RequestInProgress
-from django_idempotency.fingerprint import fingerprint
+from django_idempotency.http.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.http.fingerprint import fingerprint
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError

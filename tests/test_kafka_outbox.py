@@ -19,8 +19,8 @@ from django.test import override_settings
 
 pytest.importorskip("confluent_kafka")
 
-from django_idempotency import outbox
 from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect
 from tests.kafka_cluster import Cluster, manage_env, run_manage, start_consumer
 from tests.workers import database_url
@@ -37,9 +37,9 @@ pytestmark = [
 
 def transports(kafka_cluster: Cluster) -> dict[str, Any]:
     return {
-        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
         "kafka": {
-            "BACKEND": "django_idempotency.kafka.KafkaTransport",
+            "BACKEND": "django_idempotency.kafka.transport.KafkaTransport",
             "OPTIONS": {"config": {"bootstrap.servers": kafka_cluster.bootstrap}},
         },
     }

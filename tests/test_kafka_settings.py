@@ -14,13 +14,14 @@ from django.core.management import CommandError, call_command
 from django.test import override_settings
 
 from django_idempotency.checks import check_settings
+from django_idempotency.conf import consumer_settings
 from django_idempotency.exceptions import MissingEventId
-from django_idempotency.kafka_settings import ConsumerSettings, consumer_settings
+from django_idempotency.kafka.settings import ConsumerSettings
 
 pytest.importorskip("confluent_kafka")
 from confluent_kafka import Message
 
-from django_idempotency.kafka import event_id_of
+from django_idempotency.kafka.runner import event_id_of
 
 HANDLER = "testproject.shop.kafka_handlers.apply"
 

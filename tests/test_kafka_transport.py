@@ -20,8 +20,8 @@ from django.utils import timezone
 pytest.importorskip("confluent_kafka")
 from confluent_kafka import KafkaException
 
-from django_idempotency.kafka import KafkaTransport
-from django_idempotency.transports import OutboxMessage, Transport
+from django_idempotency.kafka.transport import KafkaTransport
+from django_idempotency.outbox.transports import OutboxMessage, Transport
 from tests.kafka_cluster import Cluster
 
 _ids = itertools.count(1)

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from django_idempotency.exceptions import MalformedKey
-from django_idempotency.keys import parse_key, serialize_key
+from django_idempotency.http.keys import parse_key, serialize_key
 from tests.probes import effects, post, problem
 
 VISIBLE = st.characters(min_codepoint=0x21, max_codepoint=0x7E)

@@ -19,8 +19,8 @@ from django.db import connection
 from django.test import Client
 from django.utils import timezone
 
-from django_idempotency.core import Idempotency, Policy, Replay
 from django_idempotency.exceptions import RequestInProgress
+from django_idempotency.http.core import Idempotency, Policy, Replay
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_views import ProbeError

@@ -16,7 +16,7 @@ from testproject.shop.probe_views import ProbeError
 from tests.probes import body, effects, post, problem
 
 AUTH = "django.contrib.auth.middleware.AuthenticationMiddleware"
-MIDDLEWARE_PATH = "django_idempotency.middleware.IdempotencyMiddleware"
+MIDDLEWARE_PATH = "django_idempotency.http.middleware.IdempotencyMiddleware"
 URL = "/probe/mw/effect/"
 
 

@@ -16,8 +16,9 @@ from django.db.transaction import TransactionManagementError
 from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 
-from django_idempotency import new_event_id, outbox
+from django_idempotency import new_event_id
 from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Order
 from testproject.shop.tasks import apply_order_confirmed
 
@@ -213,7 +214,7 @@ def test_json_the_database_cannot_store_is_refused_before_the_insert(
 
 def test_a_named_transport_is_stored() -> None:
     transports = {
-        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
         "kafka": {"BACKEND": "tests.test_relay.RecordingTransport"},
     }
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}), transaction.atomic():

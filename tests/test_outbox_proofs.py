@@ -1,7 +1,8 @@
 """Proofs of the outbox with real processes, real brokers and real SIGKILLs.
 
 Each proof runs ``manage.py idempotency_relay`` subprocesses against the test database, which
-publish through :class:`~django_idempotency.transports.CeleryTransport` to a real broker, where
+publish through :class:`~django_idempotency.outbox.transports.CeleryTransport` to a real broker,
+where
 ``celery worker`` subprocesses apply ``IdempotentConsumer`` tasks. Effects are counted in the
 database once everything has settled.
 
@@ -27,8 +28,9 @@ from pathlib import Path
 import pytest
 from django.db import connection, transaction
 
-from django_idempotency import new_event_id, outbox
+from django_idempotency import new_event_id
 from django_idempotency.models import OutboxEntry, ProcessedEvent
+from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect, Order
 from tests.conftest import require_service
 from tests.outbox_helpers import (

@@ -72,7 +72,7 @@ def test_lowest_job_pins_every_runtime_dependency_to_its_minimum() -> None:
 @pytest.mark.parametrize(
     ("module", "dependency", "extra"),
     [
-        ("django_idempotency.celery", "celery", "celery"),
+        ("django_idempotency.events.celery", "celery", "celery"),
         ("django_idempotency.tasks", "celery", "celery"),
     ],
 )
@@ -92,5 +92,5 @@ def test_installation_docs_show_the_real_error(monkeypatch: pytest.MonkeyPatch) 
         for line in (ROOT / "docs" / "installation.md").read_text().splitlines()
         if line.startswith("ImportError: ")
     ]
-    raised = import_without(monkeypatch, "django_idempotency.celery", "celery")
+    raised = import_without(monkeypatch, "django_idempotency.events.celery", "celery")
     assert documented == [str(raised)]

@@ -28,10 +28,10 @@ from django.db import NotSupportedError, connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import partitioning
 from django_idempotency.checks import check_settings
-from django_idempotency.events import try_reserve
+from django_idempotency.events.core import try_reserve
 from django_idempotency.models import ProcessedEvent
+from django_idempotency.retention import partitioning
 
 TABLE = ProcessedEvent._meta.db_table
 DAY = timedelta(days=1)
@@ -385,7 +385,7 @@ def test_new_partition_takes_its_rows_from_the_default_partition(partitioned: No
 
 @pytest.mark.postgres
 def test_purge_runs_partition_maintenance(partitioned: None) -> None:
-    from django_idempotency.purge import purge_all
+    from django_idempotency.retention.purge import purge_all
 
     results = {r.label: r for r in purge_all(dry_run=True)}
 
@@ -397,7 +397,7 @@ def test_purge_runs_partition_maintenance(partitioned: None) -> None:
 @pytest.mark.postgres
 @pytest.mark.django_db(databases=["default", "other"])
 def test_the_purge_maintains_the_partitions_of_each_database_it_is_given() -> None:
-    from django_idempotency.purge import purge_all
+    from django_idempotency.retention.purge import purge_all
 
     with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
         partitioning.convert("other")  # rolled back with the test's transaction on "other"

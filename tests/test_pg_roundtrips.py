@@ -22,9 +22,9 @@ from django.db import DataError, ProgrammingError, connection, transaction
 from django.test.utils import CaptureQueriesContext
 
 from django_idempotency import try_reserve
-from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
-from django_idempotency.events import process_event
-from django_idempotency.fingerprint import fingerprint
+from django_idempotency.events.core import process_event
+from django_idempotency.http.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.http.fingerprint import fingerprint
 from django_idempotency.models import EventDelivery, IdempotencyRecord, ProcessedEvent
 from django_idempotency.pg_roundtrips import (
     _exchange,

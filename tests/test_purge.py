@@ -26,7 +26,7 @@ from django.test import override_settings
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from django_idempotency.events import try_reserve
+from django_idempotency.events.core import try_reserve
 from django_idempotency.managers import DatabaseNow, PurgeResult
 from django_idempotency.models import (
     EventDelivery,
@@ -34,7 +34,7 @@ from django_idempotency.models import (
     OutboxEntry,
     ProcessedEvent,
 )
-from django_idempotency.purge import purge_all
+from django_idempotency.retention.purge import purge_all
 from django_idempotency.tasks import PURGE_TASK_NAME, purge_expired
 
 pytestmark = pytest.mark.django_db

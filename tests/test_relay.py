@@ -24,12 +24,10 @@ from django.db import close_old_connections, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from django_idempotency import outbox
 from django_idempotency.models import OutboxEntry
-from django_idempotency.purge import purge_all
-from django_idempotency.relay import BatchResult, Relay
-from django_idempotency.tasks import relay_outbox
-from django_idempotency.transports import (
+from django_idempotency.outbox import core as outbox
+from django_idempotency.outbox.relay import BatchResult, Relay
+from django_idempotency.outbox.transports import (
     CeleryTransport,
     OutboxMessage,
     Transport,
@@ -37,6 +35,8 @@ from django_idempotency.transports import (
     close_transports,
     get_transport,
 )
+from django_idempotency.retention.purge import purge_all
+from django_idempotency.tasks import relay_outbox
 
 pytestmark = pytest.mark.django_db
 
@@ -237,7 +237,7 @@ def test_a_leased_message_is_not_taken_until_its_lease_runs_out() -> None:
 
 def test_a_key_spanning_two_transports_keeps_its_order() -> None:
     transports = {
-        "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+        "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
         "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
     }
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
@@ -465,7 +465,7 @@ def test_a_bad_transport_raises_improperly_configured(entry: dict[str, Any], mat
         (
             {
                 "default": {
-                    "BACKEND": "django_idempotency.transports.CeleryTransport",
+                    "BACKEND": "django_idempotency.outbox.transports.CeleryTransport",
                     "OPTIONS": {"transaction": True},
                 }
             },
@@ -490,7 +490,7 @@ def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
 def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
     value = {
         "default": {
-            "BACKEND": "django_idempotency.transports.CeleryTransport",
+            "BACKEND": "django_idempotency.outbox.transports.CeleryTransport",
             "OPTIONS": {"transactions": False},
         },
         "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
@@ -680,7 +680,7 @@ def test_the_relay_listens_again_after_its_connection_is_lost(
     again, not fall back to polling for the rest of its life."""
     from django.db import connection
 
-    from django_idempotency.relay import _Listener
+    from django_idempotency.outbox.relay import _Listener
 
     monkeypatch.setattr(_Listener, "RETRY_EVERY", 0.2)
     transport = RecordingTransport()

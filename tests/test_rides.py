@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 from django.test import Client, override_settings
 
-from django_idempotency.completer import complete_abandoned
-from django_idempotency.flows import record_key
+from django_idempotency.flows.completer import complete_abandoned
+from django_idempotency.flows.phases import record_key
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop import rides
 from testproject.shop.models import Receipt, Ride

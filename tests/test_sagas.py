@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
+from django_idempotency.flows.sagas import Saga
 from django_idempotency.models import ProcessedEvent
-from django_idempotency.sagas import Saga
 from testproject.shop import checkout_saga
 from testproject.shop.models import Effect
 from tests.probes import effects, in_thread

@@ -18,8 +18,8 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
+from django_idempotency.http.store import RecordStore
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.store import RecordStore
 from tests.probes import in_thread
 
 pytestmark = [pytest.mark.mysql, pytest.mark.django_db(transaction=True)]

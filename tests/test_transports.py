@@ -14,8 +14,8 @@ from celery import Celery
 from django.utils import timezone
 from kombu import Connection
 
-from django_idempotency.events import new_event_id
-from django_idempotency.transports import CeleryTransport, OutboxMessage
+from django_idempotency.events.core import new_event_id
+from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
 from tests.servers import free_port
 from tests.workers import delete_queue, new_queue_name
 

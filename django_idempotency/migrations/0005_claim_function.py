@@ -5,7 +5,7 @@ turns server-side prepared statements off, and PgBouncer in transaction mode can
 PL/pgSQL caches the plans of the statements inside a function for the life of the server
 session, whichever client transaction calls it, so this works unchanged behind PgBouncer in
 transaction pooling mode. The body is the same single statement as before (one snapshot, the
-same advisory lock and upsert), see :mod:`django_idempotency.store`.
+same advisory lock and upsert), see :mod:`django_idempotency.http.store`.
 
 The SQL is frozen here on purpose: a later change to the claim gets a new function (``_v2``) in
 a new migration, so that old and new code can run side by side during a deploy.

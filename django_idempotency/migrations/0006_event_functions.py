@@ -8,7 +8,7 @@ transaction calls it, so this holds unchanged behind PgBouncer in transaction po
 either way; its function exists for a first delivery, whose look at the counter it adds to the
 same call.
 
-* ``django_idempotency_reserve_v1``: :func:`~django_idempotency.events.try_reserve`'s insert,
+* ``django_idempotency_reserve_v1``: :func:`~django_idempotency.events.core.try_reserve`'s insert,
   and, for a delivery the broker marks as its first (``redelivered=False``), the look at the
   event's delivery counter that the skipped count would have made: a parked event is refused
   (the caller rolls the insert back), and the error an earlier failed delivery left is cleared

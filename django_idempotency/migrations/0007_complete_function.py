@@ -9,7 +9,7 @@ also holds behind PgBouncer in transaction pooling mode.
 ``in_progress`` record. When it does not (a lease ran out and a retry took the record over), it
 raises SQLSTATE ``P0002`` (``no_data_found``), which the caller turns into
 :class:`~django_idempotency.exceptions.StaleClaim`. Raising, rather than answering false, is what
-lets the caller send ``COMMIT`` in the same round trip (:meth:`~django_idempotency.store.
+lets the caller send ``COMMIT`` in the same round trip (:meth:`~django_idempotency.http.store.
 RecordStore.complete`): a lost claim aborts the transaction before that ``COMMIT`` runs, so the
 view's writes can never commit without their response. The SQL is frozen here on purpose:
 a later change gets a new function (``_v2``) in a new migration, so that old and new code can run

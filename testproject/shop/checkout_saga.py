@@ -1,6 +1,7 @@
 """A three-step checkout saga across Celery tasks: reserve stock, charge, ship.
 
-Each step is a task that runs its effect through :class:`~django_idempotency.sagas.Saga`, keyed
+Each step is a task that runs its effect through :class:`~django_idempotency.flows.sagas.Saga`,
+keyed
 by ``(saga id, step)``, then publishes the next step. When a step fails for good, the task
 publishes the compensations of every step up to the failed one, newest first; each
 compensation is a task of its own, just as idempotent, and does nothing for a step that did not
@@ -25,7 +26,7 @@ from typing import Any
 from celery import Task, shared_task
 from django.db import transaction
 
-from django_idempotency.sagas import CANCELLED, Saga
+from django_idempotency.flows.sagas import CANCELLED, Saga
 from testproject.shop.models import Effect
 
 SAGA = "checkout"

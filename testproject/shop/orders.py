@@ -5,7 +5,7 @@ has the second line of defence that money needs, a business unique constraint:
 ``Payment`` is unique on (provider, external payment id). If the same payment arrives under
 another idempotency key (a client that lost its key, two clients racing), the insert conflicts and
 the existing order is returned instead of a second one. Its ``OrderConfirmed`` event goes through
-the transactional outbox (:mod:`django_idempotency.outbox`).
+the transactional outbox (:mod:`django_idempotency.outbox.core`).
 
 :func:`place_order_unprotected` is what ``POST /api/unsafe-orders/`` runs: no idempotency key, no
 business key, a fresh event id every time. Each retry is a new order and a new ledger entry; the

@@ -30,7 +30,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 
 from django_idempotency import idempotent
-from django_idempotency.flows import Flow, phase_committed, phase_ran
+from django_idempotency.flows.phases import Flow, phase_committed, phase_ran
 from testproject.shop.models import Effect
 
 REMOTE_CALLS: Counter[str] = Counter()

@@ -35,7 +35,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from django_idempotency import idempotent
-from django_idempotency.drf import IdempotentMixin
+from django_idempotency.http.drf import IdempotentMixin
 from testproject.shop.models import Effect
 
 MAX_SLEEP = 30.0

@@ -24,7 +24,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from django_idempotency import idempotent
-from django_idempotency.flows import Flow
+from django_idempotency.flows.phases import Flow
 from testproject.shop import psp
 from testproject.shop.models import Receipt, Ride
 

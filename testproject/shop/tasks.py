@@ -22,8 +22,7 @@ from typing import Any
 from celery import shared_task
 from django.db import OperationalError, transaction
 
-from django_idempotency import idempotent_consumer
-from django_idempotency.celery import IdempotentConsumer
+from django_idempotency import IdempotentConsumer, idempotent_consumer
 from testproject.shop.models import Effect, LedgerEntry, Order, Payment
 
 

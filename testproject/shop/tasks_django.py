@@ -24,7 +24,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from django_idempotency.django_tasks import idempotent_task
+from django_idempotency.events.django_tasks import idempotent_task
 from testproject.shop.models import Effect, LedgerEntry
 
 try:

@@ -8,7 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from django_idempotency.completer import (
+from django_idempotency.flows.completer import (
     DEFAULT_LIMIT,
     DEFAULT_MAX_ATTEMPTS,
     MAX_LIMIT,

@@ -10,7 +10,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from django_idempotency.kafka_settings import consumer_settings
+from django_idempotency.conf import consumer_settings
 
 
 class Command(BaseCommand):
@@ -32,7 +32,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             settings = consumer_settings(options["consumer"])
-            from django_idempotency.kafka import (
+            from django_idempotency.kafka.runner import (
                 ConsumerRunner,
                 DeadLetterFailed,
                 replay_dead_letters,

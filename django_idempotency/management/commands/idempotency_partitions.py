@@ -11,9 +11,9 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from django_idempotency import partitioning
 from django_idempotency.conf import PARTITION_INTERVALS, conf
-from django_idempotency.purge import purged_databases
+from django_idempotency.retention import partitioning
+from django_idempotency.retention.purge import purged_databases
 
 
 class Command(BaseCommand):

@@ -10,8 +10,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import MAX_BATCH_SIZE, MAX_SECONDS, conf
-from django_idempotency.purge import purge_all, purged_databases
-from django_idempotency.reports import PurgeResult
+from django_idempotency.retention.purge import purge_all, purged_databases
+from django_idempotency.retention.reports import PurgeResult
 
 
 def _batch_size(text: str) -> int:

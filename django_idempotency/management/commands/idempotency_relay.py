@@ -19,9 +19,9 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import MAX_SECONDS
 from django_idempotency.management.commands.idempotency_purge import _batch_size
-from django_idempotency.purge import purged_databases
-from django_idempotency.relay import BatchResult, Relay
-from django_idempotency.transports import close_transports
+from django_idempotency.outbox.relay import BatchResult, Relay
+from django_idempotency.outbox.transports import close_transports
+from django_idempotency.retention.purge import purged_databases
 
 
 def _positive_seconds(text: str) -> float:

@@ -38,7 +38,7 @@ from django.db import connections
 from django.test import Client
 
 from django_idempotency.models import OutboxEntry
-from django_idempotency.relay import Relay
+from django_idempotency.outbox.relay import Relay
 from testproject.shop.models import LedgerEntry, Order
 from testproject.shop.orders import apply_unprotected, order_key
 from testproject.shop.tasks import apply_order_confirmed

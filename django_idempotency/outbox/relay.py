@@ -18,7 +18,8 @@ One batch (:meth:`Relay.run_once`) takes three steps:
 
 A relay that dies between 1 and 3 (a SIGKILL, a lost host) leaves its rows leased: once the
 lease runs out another relay takes them and sends them again. Delivery is therefore *at least
-once*; the consumer's processed events (:mod:`django_idempotency.events`) make the effect once.
+once*; the consumer's processed events (:mod:`django_idempotency.events.core`) make the effect
+once.
 
 Ordering
 --------
@@ -42,6 +43,9 @@ Waking up
 and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
 costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
 (:class:`_Listener`), so a database restart leaves no relay on polling alone.
+
+Why this module is long: the claim, the send and the recording of outcomes share the relay's
+lease and its ordering rules; they read as one loop.
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ from django.utils import timezone
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import error_text
 from django_idempotency.models import OutboxEntry
-from django_idempotency.outbox import NOTIFY_CHANNEL
-from django_idempotency.transports import OutboxMessage, Transport, get_transport
+from django_idempotency.outbox.core import NOTIFY_CHANNEL
+from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
 
 __all__ = ["BatchResult", "Relay"]
 

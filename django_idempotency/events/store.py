@@ -1,8 +1,9 @@
 """The event side's rows: what a reservation, a delivery count and a park read and write.
 
-:mod:`django_idempotency.events` is the core that decides what happens to a delivery (reserve,
+:mod:`django_idempotency.events.core` is the core that decides what happens to a delivery (reserve,
 count, park); this module is how each of those reaches the database, per backend, as
-:mod:`django_idempotency.store` is for the HTTP core. It reads no setting and makes no decision:
+:mod:`django_idempotency.http.store` is for the HTTP core. It reads no setting and makes no
+decision:
 the core passes in what it resolved (the time to keep a row, whether a count may commit
 asynchronously), and gets back what the database found.
 
@@ -17,6 +18,10 @@ asynchronously), and gets back what the database found.
   :func:`fail_reserved` for a failed first delivery.
 
 SQL text is built once per backend and column list, and cached in :data:`_SQL`.
+
+Why this module is long: the same four operations (reserve, count, park, read the errors) are
+written out for PostgreSQL, MariaDB and SQLite side by side, so that a reader compares one
+backend's SQL with another's in one place.
 """
 
 from __future__ import annotations
@@ -35,11 +40,11 @@ from django.utils import timezone
 
 from django_idempotency.exceptions import error_text
 from django_idempotency.models import EventDelivery, ProcessedEvent
-from django_idempotency.partitioning import EventInsert, event_insert
 from django_idempotency.pg_roundtrips import execute_apart_first, execute_first
+from django_idempotency.retention.partitioning import EventInsert, event_insert
 
 #: The core's logger: what goes wrong here is reported where the core reports.
-logger = logging.getLogger("django_idempotency.events")
+logger = logging.getLogger("django_idempotency.events.core")
 
 ER_DUP_ENTRY = 1062
 """MySQL/MariaDB error number of a duplicate key, and the only one that means "already there"."""

@@ -16,7 +16,6 @@ from typing import Any
 
 from django.conf import settings
 
-from django_idempotency import partitioning
 from django_idempotency.conf import conf
 from django_idempotency.managers import _batch_size, _max_seconds
 from django_idempotency.models import (
@@ -25,7 +24,8 @@ from django_idempotency.models import (
     OutboxEntry,
     ProcessedEvent,
 )
-from django_idempotency.reports import PurgeResult
+from django_idempotency.retention import partitioning
+from django_idempotency.retention.reports import PurgeResult
 
 __all__ = ["purge_all", "purged_databases"]
 

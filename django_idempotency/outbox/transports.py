@@ -1,6 +1,7 @@
 """How the outbox relay hands messages to a broker: the transport interface and the Celery one.
 
-The relay (:mod:`django_idempotency.relay`) claims rows of the outbox table, turns each into an
+The relay (:mod:`django_idempotency.outbox.relay`) claims rows of the outbox table, turns each
+into an
 :class:`OutboxMessage` and calls :meth:`Transport.send` with a batch of them. A transport is any
 object with ``send`` and ``close``:
 
@@ -17,9 +18,9 @@ Transports are configured by name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``::
 
     IDEMPOTENCY = {
         "OUTBOX_TRANSPORTS": {
-            "default": {"BACKEND": "django_idempotency.transports.CeleryTransport"},
+            "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
             "kafka": {
-                "BACKEND": "django_idempotency.kafka.KafkaTransport",
+                "BACKEND": "django_idempotency.kafka.transport.KafkaTransport",
                 "OPTIONS": {"config": {"bootstrap.servers": "127.0.0.1:9092"}},
             },
         },
@@ -43,7 +44,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
-from django_idempotency.events import EVENT_ID_KEY
+from django_idempotency.events.core import EVENT_ID_KEY
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -185,7 +186,8 @@ class CeleryTransport:
 
     Each message becomes ``send_task(destination, args, kwargs, task_id=event_id,
     headers={"event_id": event_id, ...})``: the ``event_id`` header is where
-    :class:`~django_idempotency.celery.IdempotentConsumer` looks when the arguments carry no id,
+    :class:`~django_idempotency.events.celery.IdempotentConsumer` looks when the arguments carry
+    no id,
     so a consumer deduplicates resends with no code of its own.
 
     Durability: on RabbitMQ, ``confirm_publish`` (on by default) turns on publisher confirms, so

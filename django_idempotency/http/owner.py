@@ -33,7 +33,7 @@ ANONYMOUS = "anonymous"
 MAX_OWNER_LENGTH = 255
 AUTH_PREFIX = "auth:"
 #: The purpose string of the HMAC that keys the ``auth:`` owner (``salted_hmac``'s salt).
-AUTHORIZATION_SALT = "django_idempotency.owner.authorization"
+AUTHORIZATION_SALT = "django_idempotency.http.owner.authorization"
 #: How many hex digits of an ``auth:`` owner logs and the admin show.
 DISPLAYED_DIGITS = 8
 WHITESPACE = " \t"

@@ -30,8 +30,8 @@ from django.http import HttpRequest
 from django.test import RequestFactory
 
 from django_idempotency.conf import conf
-from django_idempotency.core import REPLAYED_HEADER, Command
-from django_idempotency.flows import get_flow_view, run
+from django_idempotency.flows.phases import get_flow_view, run
+from django_idempotency.http.core import REPLAYED_HEADER, Command
 from django_idempotency.managers import DatabaseNow
 from django_idempotency.models import FlowRun, IdempotencyRecord
 

@@ -4,7 +4,7 @@
 
     from django.tasks import task  # Django 6.0+; on Django 5.2: from django_tasks import task
 
-    from django_idempotency.django_tasks import idempotent_task
+    from django_idempotency.events.django_tasks import idempotent_task
 
     @task()
     @idempotent_task("billing.ledger")
@@ -14,7 +14,8 @@
 :func:`idempotent_task` goes **under** ``@task``: the task keeps the wrapped function, so every
 backend and worker (the ``db_worker`` of django-tasks-db, or any other) runs the wrapper. The
 wrapper finds the event id among the call's arguments and hands the call to
-:func:`django_idempotency.events.process_event`, the same core as the Celery consumer: the delivery
+:func:`django_idempotency.events.core.process_event`, the same core as the Celery consumer: the
+delivery
 is counted, the body runs in one transaction with the event's reservation, a duplicate is skipped
 and a poison task is parked.
 
@@ -30,8 +31,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
-from django_idempotency.consumers import idempotent_consumer
-from django_idempotency.event_ids import EVENT_ID_KEY, normalize_event_id
+from django_idempotency.events.consumers import idempotent_consumer
+from django_idempotency.events.ids import EVENT_ID_KEY, normalize_event_id
 from django_idempotency.exceptions import MissingEventId
 
 __all__ = ["idempotent_task"]

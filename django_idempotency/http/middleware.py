@@ -5,7 +5,7 @@
     MIDDLEWARE = [
         ...,
         "django.contrib.auth.middleware.AuthenticationMiddleware",  # before: owner = the user
-        "django_idempotency.middleware.IdempotencyMiddleware",
+        "django_idempotency.http.middleware.IdempotencyMiddleware",
         ...,
     ]
     IDEMPOTENCY = {"PATHS": [r"^/api/"]}
@@ -27,7 +27,8 @@ says.
 Views decorated with ``@idempotent`` are left to their decorator and its options: a decorated
 function, a class-based view whose handler method is decorated (``method_decorator(...,
 name="post")``), a DRF action, and a DRF view with
-:class:`~django_idempotency.drf.IdempotentMixin`. For any other DRF view, the owner is the user
+:class:`~django_idempotency.http.drf.IdempotentMixin`. For any other DRF view, the owner is the
+user
 DRF's authenticators find (they run here, before the view), and a request they refuse is left to
 the view, which answers 401 or 403: a revoked credential never gets a stored response. DRF's
 permission checks still run only in the view, after a replay would have been sent; the mixin is
@@ -53,8 +54,7 @@ from django.http.response import HttpResponseBase
 from django.urls import Resolver404, resolve
 
 from django_idempotency.conf import conf
-from django_idempotency.decorators import OPTIONS_ATTRIBUTE
-from django_idempotency.http import Options, ahandle, handle
+from django_idempotency.http.handler import OPTIONS_ATTRIBUTE, Options, ahandle, handle
 
 RAISED = "_idempotency_view_raised"
 MIDDLEWARE_OPTIONS = Options()
@@ -125,7 +125,7 @@ def handled_request(request: HttpRequest) -> Any:
 
     None for a method or path not listed, for a view that handles itself (decorated with
     ``@idempotent``, on the function or on the handler method of its class or DRF action, or a
-    DRF view with :class:`~django_idempotency.drf.IdempotentMixin`), and for a DRF view whose
+    DRF view with :class:`~django_idempotency.http.drf.IdempotentMixin`), and for a DRF view whose
     authenticators refuse the credentials (the view answers 401/403 itself). For another DRF
     view, the DRF ``Request`` its authenticators see, so that the owner is DRF's user.
     """
@@ -182,6 +182,6 @@ def drf_installed() -> bool:
 
 
 def _drf() -> Any:
-    from django_idempotency import drf
+    from django_idempotency.http import drf
 
     return drf

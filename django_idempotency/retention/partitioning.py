@@ -24,6 +24,10 @@ Maintenance (:func:`maintain`, run by the purge task and ``idempotency_partition
 creates partitions ahead of time and drops a partition with ``DROP TABLE`` once its range ended
 ``EVENT_TTL`` ago and none of its rows is still live. Everything here runs on PostgreSQL only
 and raises :class:`~django.core.exceptions.ImproperlyConfigured` elsewhere.
+
+Why this module is long: the partitioned layout's DDL (convert, create ahead, drop expired) is
+written out per interval with the checks that guard it, so the whole life of a partition reads
+in one place.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from django.db.backends.utils import CursorWrapper
 from django.db.models import Model
 
 from django_idempotency.conf import PARTITION_INTERVALS, conf
-from django_idempotency.reports import MaintenanceResult, PurgeResult
+from django_idempotency.retention.reports import MaintenanceResult, PurgeResult
 
 PARTITION_COLUMN = "occurred_at"
 """The partition key column added by :func:`convert`."""

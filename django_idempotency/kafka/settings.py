@@ -1,6 +1,6 @@
 """The ``IDEMPOTENCY["KAFKA_CONSUMERS"]`` setting: parsed and validated, without confluent-kafka.
 
-Each entry names one consumer of :mod:`django_idempotency.kafka`, run by
+Each entry names one consumer of :mod:`django_idempotency.kafka.runner`, run by
 ``manage.py idempotency_consume <name>``::
 
     IDEMPOTENCY = {
@@ -31,7 +31,7 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-__all__ = ["ConsumerSettings", "check_consumers", "consumer_settings", "parse_consumers"]
+__all__ = ["ConsumerSettings", "check_consumers", "parse_consumers"]
 
 SETTING = "KAFKA_CONSUMERS"
 REQUIRED = ("HANDLER", "TOPICS", "GROUP", "CONFIG")
@@ -198,19 +198,6 @@ def parse_consumers(name: str, value: Any) -> dict[str, ConsumerSettings]:
     if not isinstance(value, Mapping):
         raise _error("", f"must be a dict of consumer names to consumers, not {value!r}.")
     return {consumer: _parse_one(consumer, entry) for consumer, entry in value.items()}
-
-
-def consumer_settings(name: str) -> ConsumerSettings:
-    """The settings of the consumer ``name``; ImproperlyConfigured if there is none."""
-    from django_idempotency.conf import conf
-
-    consumers = conf.KAFKA_CONSUMERS
-    if name not in consumers:
-        known = ", ".join(map(repr, consumers)) or "none"
-        raise ImproperlyConfigured(
-            f"No Kafka consumer named {name!r}: IDEMPOTENCY[{SETTING!r}] has {known}."
-        )
-    return consumers[name]
 
 
 def check_consumers(consumers: Mapping[str, ConsumerSettings]) -> list[CheckMessage]:

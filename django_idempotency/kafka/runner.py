@@ -3,7 +3,7 @@
 Install the extra: ``pip install 'django-idempotency[kafka]'``. See ``docs/kafka.md``.
 
 :class:`ConsumerRunner` is the consumer loop Django teams write by hand, as a thin adapter over
-:func:`django_idempotency.events.process_event`. For each message it
+:func:`django_idempotency.events.core.process_event`. For each message it
 
 1. finds the event id (a header by default, or a field of the JSON value);
 2. runs the handler in ``transaction.atomic`` together with the processed-event reservation,
@@ -22,29 +22,31 @@ the offset on. A message without a usable event id goes to the dead-letter topic
 
 :class:`KafkaTransport` sends outbox messages with an idempotent producer (``acks=all``), keyed
 by the ordering key (a key-hash partitioner), with the event id in an ``event_id`` header.
+
+Why this module is long: the poll loop, its rebalance callbacks and the offset bookkeeping
+share one consumer's state, and each guarantee (offset after the commit, the dead letter before
+the offset) spans them.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, close_old_connections
 from django.utils.module_loading import import_string
 
-from django_idempotency.conf import conf
-from django_idempotency.events import EVENT_ID_KEY, normalize_event_id, process_event
+from django_idempotency.conf import conf, consumer_settings
+from django_idempotency.events.core import normalize_event_id, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId
 from django_idempotency.extras import missing_extra
-from django_idempotency.kafka_settings import ConsumerSettings, consumer_settings
+from django_idempotency.kafka.settings import ConsumerSettings
 from django_idempotency.models import EventDelivery
 
 try:
@@ -63,14 +65,13 @@ __all__ = [
     "DEAD_LETTER_HEADERS",
     "ConsumerRunner",
     "DeadLetterFailed",
-    "KafkaTransport",
     "Outcome",
     "event_id_of",
     "replay_dead_letters",
 ]
 
 if TYPE_CHECKING:
-    from django_idempotency.transports import OutboxMessage
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -528,116 +529,3 @@ def _describe(message: Message) -> str:
 
 def _partitions(partitions: Sequence[TopicPartition]) -> str:
     return ", ".join(f"{p.topic}[{p.partition}]" for p in partitions) or "nothing"
-
-
-# --- The outbox transport -----------------------------------------------------------------------
-
-
-class KafkaTransport:
-    """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
-
-    Each message goes to the topic named by its destination, its payload as compact JSON, its
-    ordering key as the Kafka key, its headers plus ``event_id``. The producer is idempotent
-    with ``acks=all`` (a message counts as sent once every in-sync replica has it) and
-    partitions by a hash of the key (``murmur2_random``, the Java client's partitioner), so one
-    key's messages share a partition and keep their order.
-
-    Within one :meth:`send`, the messages of one ordering key go out one at a time, each after
-    the previous one was acknowledged: after a failure the later ones of that key are not sent
-    and are reported failed. Messages of different keys, and messages without one, go out
-    together.
-
-    :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
-        idempotence and ``acks`` cannot be weakened.
-    :param timeout: seconds to wait for the acknowledgements of one batch; librdkafka gives up on
-        a message after this long too (``message.timeout.ms``), so none is sent later.
-    """
-
-    def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
-        if not config.get("bootstrap.servers"):
-            raise ImproperlyConfigured("KafkaTransport needs config={'bootstrap.servers': ...}.")
-        if str(config.get("enable.idempotence", True)).lower() in ("false", "0"):
-            raise ImproperlyConfigured("KafkaTransport always uses enable.idempotence=true.")
-        if str(config.get("acks", "all")) not in ("all", "-1"):
-            raise ImproperlyConfigured("KafkaTransport always uses acks=all.")
-        self.timeout = float(timeout)
-        self.config = {
-            "partitioner": "murmur2_random",
-            "message.timeout.ms": int(self.timeout * 1000),
-            **config,
-            "enable.idempotence": True,
-            "acks": "all",
-        }
-        self._producer: Producer | None = None
-
-    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
-        results: list[BaseException | None] = [None] * len(messages)
-        failed: dict[str, BaseException] = {}
-        for batch in _rounds(messages):
-            reports: dict[int, KafkaError | None] = {}
-            sent: list[int] = []
-            producer = self._open()
-            for index in batch:
-                message = messages[index]
-                key = message.ordering_key
-                if key is not None and key in failed:
-                    results[index] = failed[key]
-                    continue
-                try:
-                    producer.produce(
-                        message.destination,
-                        value=json.dumps(message.payload, separators=(",", ":")).encode(),
-                        key=key,
-                        headers={**message.headers, EVENT_ID_KEY: message.event_id},
-                        on_delivery=functools.partial(_report, reports, index),
-                    )
-                except (KafkaException, BufferError, TypeError, ValueError) as exc:
-                    results[index] = exc
-                else:
-                    sent.append(index)
-            producer.flush(self.timeout + 5)
-            for index in sent:
-                if index not in reports:
-                    results[index] = TimeoutError(
-                        f"no acknowledgement from Kafka within {self.timeout}s"
-                    )
-                elif reports[index] is not None:
-                    error = reports[index]
-                    results[index] = KafkaException(error)
-                    if error is not None and error.fatal():
-                        self.close()  # a fatal idempotence error: the next send starts afresh
-            for index in batch:
-                key = messages[index].ordering_key
-                if results[index] is not None and key is not None:
-                    failed.setdefault(key, results[index])  # type: ignore[arg-type]
-        return results
-
-    def _open(self) -> Producer:
-        if self._producer is None:
-            self._producer = Producer(dict(self.config))
-        return self._producer
-
-    def close(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            producer.flush(self.timeout)
-
-
-def _report(
-    reports: dict[int, KafkaError | None], index: int, error: KafkaError | None, message: Message
-) -> None:
-    reports[index] = error
-
-
-def _rounds(messages: Sequence[OutboxMessage]) -> list[list[int]]:
-    """Indexes in sending rounds: round ``n`` holds the ``n``-th message of each key."""
-    rounds: defaultdict[int, list[int]] = defaultdict(list)
-    seen: Counter[str] = Counter()
-    for index, message in enumerate(messages):
-        key = message.ordering_key
-        if key is None:
-            rounds[0].append(index)
-        else:
-            rounds[seen[key]].append(index)
-            seen[key] += 1
-    return [rounds[n] for n in sorted(rounds)]

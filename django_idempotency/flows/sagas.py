@@ -3,7 +3,8 @@
 A saga is a business transaction split into steps that run in different messages (Celery tasks,
 Kafka events), each with a compensation that undoes it. Every step is keyed by
 ``(saga id, step name)`` and every compensation by ``(saga id, step name + ".compensate")``; each
-reserves its key with :func:`~django_idempotency.events.try_reserve` **in the same transaction as
+reserves its key with :func:`~django_idempotency.events.core.try_reserve` **in the same
+transaction as
 its effect**, so a redelivered message never applies a step or a compensation twice, and a
 process that dies mid-step leaves no reservation behind.
 
@@ -36,7 +37,7 @@ from typing import Generic, TypeVar
 from django.db import transaction
 
 from django_idempotency.conf import conf
-from django_idempotency.events import EventId, normalize_event_id, try_reserve
+from django_idempotency.events.core import EventId, normalize_event_id, try_reserve
 from django_idempotency.models import ProcessedEvent
 
 __all__ = ["Saga", "StepOutcome"]

@@ -1,7 +1,7 @@
 """The decorator for plain consumer functions, a thin adapter over the event core.
 
 :func:`idempotent_consumer` makes a Kafka, NATS or SQS loop's handler run once per event. The
-Celery adapter is :mod:`django_idempotency.celery`.
+Celery adapter is :mod:`django_idempotency.events.celery`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import ParamSpec, TypeVar
 
-from django_idempotency.event_ids import EventId, checked_name, find_event_id
-from django_idempotency.events import process_event
+from django_idempotency.events.core import process_event
+from django_idempotency.events.ids import EventId, checked_name, find_event_id
 from django_idempotency.exceptions import MissingEventId
 
 __all__ = ["idempotent_consumer"]
@@ -63,7 +63,7 @@ def idempotent_consumer(
         the message: False if the broker vouches that it was never delivered before, which
         skips that delivery's count (one commit less); True if it may have been; None if it
         does not say. Default: None for every message. See
-        :func:`~django_idempotency.events.process_event` for when False is safe. For example
+        :func:`~django_idempotency.events.core.process_event` for when False is safe. For example
         ``redelivered=lambda msg: msg.delivery_info["redelivered"]`` for an AMQP (RabbitMQ)
         message, or ``lambda msg: int(msg.attributes["ApproximateReceiveCount"]) > 1`` for
         SQS.

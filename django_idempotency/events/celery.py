@@ -2,7 +2,7 @@
 
 .. code-block:: python
 
-    from django_idempotency.celery import IdempotentConsumer
+    from django_idempotency.events.celery import IdempotentConsumer
 
     @app.task(base=IdempotentConsumer, bind=True, consumer="ledger.apply")
     def apply(self, event: dict) -> None:
@@ -12,7 +12,7 @@ The behaviour lives in :class:`IdempotentConsumerMixin`, to combine with a proje
 base: ``class MyConsumer(IdempotentConsumerMixin, TracingTask)``, the mixin first (the other order
 raises ``TypeError``). :class:`IdempotentConsumer` is the ready-made class. The mixin wraps
 ``__call__`` (``before_start`` cannot hold a transaction open around the body) and hands each call
-to :func:`django_idempotency.events.process_event`.
+to :func:`django_idempotency.events.core.process_event`.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ try:
 except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
     raise missing_extra("celery", __name__) from error
 
-from django_idempotency.event_ids import (
+from django_idempotency.events.core import park_message, process_event
+from django_idempotency.events.ids import (
     EVENT_ID_KEY,
     EventId,
     argument_event_id,
     find_event_id,
     normalize_event_id,
 )
-from django_idempotency.events import park_message, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId
 
 __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]

@@ -8,19 +8,20 @@ skips the body; a delivery whose transaction rolls back leaves no row behind, so
 runs again.
 
 This module is the one core that decides: reserve, count, park. How each of those reads and
-writes its rows, per backend, is :mod:`django_idempotency.event_store`'s. It offers:
+writes its rows, per backend, is :mod:`django_idempotency.events.store`'s. It offers:
 
 * :func:`try_reserve`, the primitive: one insert that does nothing on conflict, inside the
   caller's ``transaction.atomic``;
 * :func:`count_delivery`, the delivery counter committed apart (see below);
 * :func:`process_event`, which counts the delivery, opens the transaction, reserves the event and
-  runs a body only the first time. :func:`~django_idempotency.consumers.idempotent_consumer`
-  (for plain loops) and :class:`django_idempotency.celery.IdempotentConsumer` are thin adapters
+  runs a body only the first time. :func:`~django_idempotency.events.consumers.idempotent_consumer`
+  (for plain loops) and :class:`django_idempotency.events.celery.IdempotentConsumer` are thin
+  adapters
   over it;
 * :func:`park_message`, which parks a message that carries no usable event id where the admin
   shows it.
 
-What an event id is and where a message carries it lives in :mod:`django_idempotency.event_ids`
+What an event id is and where a message carries it lives in :mod:`django_idempotency.events.ids`
 (:func:`new_event_id` too); both are re-exported here.
 
 Poison messages
@@ -41,7 +42,7 @@ processed event writes nothing and is answered there (duplicates are not counted
 delivery still commits twice, the count and then the business transaction, and each commit waits
 on its WAL flush. On PostgreSQL with psycopg 3 the count needs no round trip of its own: it
 commits in the same query that opens the business transaction with the reservation
-(:func:`~django_idempotency.event_store.count_and_reserve`); elsewhere it is a statement of its
+(:func:`~django_idempotency.events.store.count_and_reserve`); elsewhere it is a statement of its
 own, and a duplicate opens no transaction. ``IDEMPOTENCY["ASYNC_DELIVERY_COUNT"]`` (PostgreSQL,
 off by default) lets the count's own statement commit without waiting on its flush: it stays
 visible at once and survives the worker's death, and the business transaction's synchronous
@@ -52,6 +53,9 @@ When the consumer is itself called inside an outer ``transaction.atomic`` on the
 (eager Celery tasks inside a request or a test, a loop that batches messages in one transaction),
 the count joins that outer transaction and is only as durable as it is. A worker calls its tasks
 outside any transaction, so there the count always commits on its own.
+
+Why this module is long: every decision about one delivery (count, reserve, run, park, the
+signals) reads in order, top to bottom, as the delivery goes.
 """
 
 from __future__ import annotations
@@ -65,9 +69,10 @@ from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import event_store, signals
+from django_idempotency import signals
 from django_idempotency.conf import conf
-from django_idempotency.event_ids import (
+from django_idempotency.events import store as event_store
+from django_idempotency.events.ids import (
     EVENT_ID_KEY,
     MAX_ID_LENGTH,
     EventId,
@@ -76,7 +81,7 @@ from django_idempotency.event_ids import (
     new_event_id,
     normalize_event_id,
 )
-from django_idempotency.event_store import PARKED, PROCESSED, RESERVED, Delivery
+from django_idempotency.events.store import PARKED, PROCESSED, RESERVED, Delivery
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.pg_roundtrips import apart_may_travel
 
@@ -98,16 +103,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def __getattr__(name: str) -> Any:
-    # idempotent_consumer moved to consumers.py, an adapter over this core; it is imported on
-    # first use because consumers.py imports this module.
-    if name == "idempotent_consumer":
-        from django_idempotency.consumers import idempotent_consumer
-
-        return idempotent_consumer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- Validation ---------------------------------------------------------------------------------
@@ -197,7 +192,7 @@ def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: 
     delivery left on the counter is cleared with this delivery's success. The counter is read
     after the insert, which waits for any delivery that holds the event, so it sees the error
     a failed delivery recorded while holding it (:func:`_fail_first_delivery`); see
-    :func:`~django_idempotency.event_store.reserve`.
+    :func:`~django_idempotency.events.store.reserve`.
     """
     now = timezone.now()
     return event_store.reserve(
@@ -251,7 +246,7 @@ def _count_unless_processed(
     ``django_idempotency_count_v1`` (migration ``0006_event_functions``), planned once per server
     session. On MySQL/MariaDB a plain ``SELECT`` comes first. With ``ASYNC_DELIVERY_COUNT``
     (PostgreSQL, outside a transaction) the count commits without waiting on its WAL flush; see
-    :data:`~django_idempotency.event_store.ASYNC_COMMIT`.
+    :data:`~django_idempotency.events.store.ASYNC_COMMIT`.
 
     ``redelivered``: the broker says the event was delivered before, so a counter that is not
     there yet starts at 2: the earlier delivery was a first one, which skips its count.
@@ -277,7 +272,7 @@ def _count_unless_processed(
 
 def _count_travels(event: str, alias: str) -> bool:
     """Whether the count can travel with the reservation
-    (:func:`~django_idempotency.event_store.count_and_reserve`): on
+    (:func:`~django_idempotency.events.store.count_and_reserve`): on
     PostgreSQL with psycopg 3 (default layout), outside any transaction."""
     connection = connections[alias]
     return event_store.sql_layout(connection, event) is None and apart_may_travel(connection)
@@ -322,7 +317,7 @@ def process_event(
        :data:`~django_idempotency.signals.event_duplicate`.
 
        On PostgreSQL with psycopg 3, outside any transaction, steps 1 and 2 are one round trip
-       (:func:`~django_idempotency.event_store.count_and_reserve`): the count commits, then the
+       (:func:`~django_idempotency.events.store.count_and_reserve`): the count commits, then the
        reservation opens the transaction. A parked event's reservation is then rolled back
        before it is refused.
     3. If the event has been delivered more than ``max_deliveries`` times (default

@@ -1,11 +1,12 @@
 """The one place that decides what happens to a request that carries an idempotency key.
 
 It knows nothing of ``HttpRequest`` or ``HttpResponse``: an adapter (the decorator and the
-middleware, through :mod:`django_idempotency.http`, or another framework) describes the request
+middleware, through :mod:`django_idempotency.http.handler`, or another framework) describes the
+request
 as a :class:`Command`, and gives :meth:`Idempotency.run` two callables, one that runs the view and
 one that turns its result into a :class:`Captured` response. The core then:
 
-1. claims ``(owner, key)`` through the unique index (:class:`~django_idempotency.store.
+1. claims ``(owner, key)`` through the unique index (:class:`~django_idempotency.http.store.
    RecordStore`), which never waits on another request;
 2. for a completed record, returns a :class:`Replay` (same fingerprint) or raises
    :class:`~django_idempotency.exceptions.KeyReused` (different one) or
@@ -52,9 +53,9 @@ from django_idempotency.exceptions import (
     ResponseNotStored,
     StaleClaim,
 )
+from django_idempotency.http.owner import display_owner
+from django_idempotency.http.store import ClaimResult, ClaimValues, Existing, RecordStore
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.owner import display_owner
-from django_idempotency.store import ClaimResult, ClaimValues, Existing, RecordStore
 
 logger = logging.getLogger("django_idempotency")
 
@@ -140,7 +141,7 @@ class _Claim:
     atomic: Any
     deferred: ClaimValues | None = None
     """The claim wrote no record (PostgreSQL, atomic mode, a new key): storing the response
-    writes it (:attr:`~django_idempotency.store.ClaimResult.deferred`)."""
+    writes it (:attr:`~django_idempotency.http.store.ClaimResult.deferred`)."""
 
 
 class Idempotency:

@@ -44,6 +44,9 @@ can travel in the same query (:meth:`RecordStore.complete`).
 Every time comparison uses the database clock (``STATEMENT_TIMESTAMP()``,
 ``UTC_TIMESTAMP(6)``, SQLite's ``'now'``), so app servers with skewed clocks agree on expiry
 and leases.
+
+Why this module is long: the claim and the stored response are written out per backend
+(PostgreSQL's functions, MariaDB, SQLite) side by side, so that their locking reads as one.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ for DRF APIs (see docs/security.md):
 
 .. code-block:: python
 
-    from django_idempotency.drf import IdempotentMixin
+    from django_idempotency.http.drf import IdempotentMixin
 
     class OrderViewSet(IdempotentMixin, viewsets.ModelViewSet):
         idempotency_required = True
@@ -32,9 +32,8 @@ from typing import Any, ClassVar
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 
-from django_idempotency.decorators import OPTIONS_ATTRIBUTE
 from django_idempotency.extras import missing_extra
-from django_idempotency.http import Options, handle, mark_non_atomic
+from django_idempotency.http.handler import OPTIONS_ATTRIBUTE, Options, handle, mark_non_atomic
 
 try:
     from rest_framework.exceptions import APIException  # type: ignore[import-untyped]

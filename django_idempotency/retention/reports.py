@@ -50,7 +50,7 @@ class PurgeResult:
     partitions: MaintenanceResult | None = None
     """Partitions created and dropped, when the table is range-partitioned."""
     database: str | None = None
-    """The database alias purged (set by :func:`~django_idempotency.purge.purge_all`)."""
+    """The database alias purged (set by :func:`~django_idempotency.retention.purge.purge_all`)."""
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly dict (the Celery task's return value)."""

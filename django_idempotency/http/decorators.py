@@ -1,4 +1,4 @@
-"""``@idempotent``: the view decorator, a thin adapter over :mod:`django_idempotency.core`.
+"""``@idempotent``: the view decorator, a thin adapter over :mod:`django_idempotency.http.core`.
 
 .. code-block:: python
 
@@ -36,12 +36,16 @@ from typing import Any, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction
 
-from django_idempotency.http import Options, ahandle, handle, mark_non_atomic
+from django_idempotency.flows.phases import flow_view
+from django_idempotency.http.handler import (
+    OPTIONS_ATTRIBUTE,
+    Options,
+    ahandle,
+    handle,
+    mark_non_atomic,
+)
 
 V = TypeVar("V", bound=Callable[..., Any])
-
-#: The attribute set on decorated views; the middleware leaves such views to the decorator.
-OPTIONS_ATTRIBUTE = "idempotent_options"
 
 
 @overload
@@ -84,7 +88,7 @@ def idempotent(
     :param lease: lease mode only: how long a claim is held before a retry may take it over;
         default ``IDEMPOTENCY["LEASE"]``.
     :param phases: lease mode split into atomic phases with recovery points: the view takes
-        ``(request, flow)``; see :mod:`django_idempotency.flows`. Implies ``atomic=False``.
+        ``(request, flow)``; see :mod:`django_idempotency.flows.phases`. Implies ``atomic=False``.
 
     The view may be a function, an ``async def`` function, or a method whose first argument is
     ``self`` and second the request (DRF ``APIView`` and ``ViewSet`` methods).
@@ -95,8 +99,6 @@ def idempotent(
 
     def decorate(func: V) -> V:
         if phases:
-            from django_idempotency.flows import flow_view
-
             return flow_view(func, options)  # type: ignore[return-value]
         if iscoroutinefunction(func):
 

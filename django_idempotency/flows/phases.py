@@ -17,11 +17,11 @@
   (:meth:`Flow.key_for`) derived from the owner, the client's key and the phase name, so it is
   the same on every retry, in every process and in the completer. Its result is stored with its
   recovery point: a resumed request never calls out again for a call that completed.
-* A retry after a crash (or the completer, :mod:`django_idempotency.completer`) runs the view
+* A retry after a crash (or the completer, :mod:`django_idempotency.flows.completer`) runs the view
   again: a phase that is done returns its stored result without running, so the view resumes at
   the first phase not yet done. Code between phases runs again: keep effects inside phases.
 
-The claim is lease mode's (:mod:`django_idempotency.core`): it commits first, a concurrent
+The claim is lease mode's (:mod:`django_idempotency.http.core`): it commits first, a concurrent
 retry gets 409, and a retry after the lease takes it over with a new token. Each phase ends
 with a compare-and-swap on that token that also extends the lease, so a holder that lost its
 claim cannot commit a phase: its transaction rolls back and its client gets 409.
@@ -34,8 +34,12 @@ saved model instance, stored as a reference and fetched again on resume.
 A flow **rolls forward to failure** when a call marked ``resumable=False`` was interrupted (its
 outcome is unknown, so it must not run again), or when the completer gives up after
 ``max_attempts`` failed runs: the compensations of the phases that are done run in reverse
-order, each once (reserved with :func:`~django_idempotency.events.try_reserve`), and the
+order, each once (reserved with :func:`~django_idempotency.events.core.try_reserve`), and the
 :class:`FlowFailed` problem (502) is stored as the response, replayed to every later retry.
+
+Why this module is long: a phase, its recovery point, the lease it renews and the pause that
+ends it are one state machine over one record; splitting them would spread its transitions over
+several files.
 """
 
 from __future__ import annotations
@@ -64,15 +68,16 @@ from django.utils import timezone
 
 from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import conf
-from django_idempotency.core import Captured, Command, Idempotency, Replay, _Claim
-from django_idempotency.events import try_reserve
+from django_idempotency.events.core import try_reserve
 from django_idempotency.exceptions import (
     ProblemError,
     RequestInProgress,
     StaleClaim,
     error_text,
 )
-from django_idempotency.http import (
+from django_idempotency.http.core import Captured, Command, Idempotency, Replay, _Claim
+from django_idempotency.http.handler import (
+    OPTIONS_ATTRIBUTE,
     Options,
     capture,
     django_request,
@@ -189,8 +194,6 @@ def flow_view(func: Callable[..., HttpResponseBase], options: Options) -> Callab
             )
         response: HttpResponseBase = handle(view, request, args, kwargs)
         return response
-
-    from django_idempotency.decorators import OPTIONS_ATTRIBUTE
 
     setattr(wrapper, OPTIONS_ATTRIBUTE, options)
     mark_non_atomic(wrapper)  # each phase commits on its own, even under ATOMIC_REQUESTS

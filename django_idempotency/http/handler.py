@@ -1,9 +1,9 @@
 """The Django side of the core, shared by :func:`~django_idempotency.idempotent` and
-:class:`~django_idempotency.middleware.IdempotencyMiddleware`.
+:class:`~django_idempotency.http.middleware.IdempotencyMiddleware`.
 
-It turns an ``HttpRequest`` (or a DRF ``Request``) into a :class:`~django_idempotency.core.
-Command`, a view's ``HttpResponse`` into a :class:`~django_idempotency.core.Captured`, and a
-:class:`~django_idempotency.core.Replay` back into an ``HttpResponse``. All decisions are the
+It turns an ``HttpRequest`` (or a DRF ``Request``) into a :class:`~django_idempotency.http.core.
+Command`, a view's ``HttpResponse`` into a :class:`~django_idempotency.http.core.Captured`, and a
+:class:`~django_idempotency.http.core.Replay` back into an ``HttpResponse``. All decisions are the
 core's.
 """
 
@@ -24,12 +24,19 @@ from django.http.response import HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
 from django_idempotency.conf import MAX_DURATION, MAX_SECONDS, SAFE_METHODS, conf
-from django_idempotency.core import Captured, Command, Idempotency, Policy, Replay
 from django_idempotency.exceptions import MissingKey, ProblemError
-from django_idempotency.fingerprint import canonical_data, canonical_form, fingerprint, is_form
-from django_idempotency.keys import parse_key
-from django_idempotency.owner import resolve_owner
+from django_idempotency.http.core import Captured, Command, Idempotency, Policy, Replay
+from django_idempotency.http.fingerprint import (
+    canonical_data,
+    canonical_form,
+    fingerprint,
+    is_form,
+)
+from django_idempotency.http.keys import parse_key
+from django_idempotency.http.owner import resolve_owner
 
+#: The attribute set on decorated views; the middleware leaves such views to the decorator.
+OPTIONS_ATTRIBUTE = "idempotent_options"
 #: Set on the ``HttpRequest`` once a request has been handled, so that the decorator does not
 #: handle it a second time inside the middleware.
 HANDLED = "_idempotency_handled"

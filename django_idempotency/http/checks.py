@@ -71,7 +71,7 @@ def check_http_views(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
 
 
 def _drf_views_under_the_middleware(views: list[tuple[str, Any]], paths: Any) -> list[Warning]:
-    from django_idempotency.middleware import (
+    from django_idempotency.http.middleware import (
         drf_installed,
         handler_of,
         handles_itself,
@@ -80,7 +80,7 @@ def _drf_views_under_the_middleware(views: list[tuple[str, Any]], paths: Any) ->
 
     if not drf_installed():
         return []
-    from django_idempotency.drf import is_drf_view
+    from django_idempotency.http.drf import is_drf_view
 
     def exposed_view(func: Any) -> bool:
         view_class = view_class_of(func)
@@ -101,7 +101,7 @@ def _drf_views_under_the_middleware(views: list[tuple[str, Any]], paths: Any) ->
             f"IdempotencyMiddleware handles DRF views before DRF checks their permissions: "
             f"{_named(exposed)}. A client that lost a permission still gets the stored "
             "response replayed.",
-            hint="Add django_idempotency.drf.IdempotentMixin to these views (first among the "
+            hint="Add django_idempotency.http.drf.IdempotentMixin to these views (first among the "
             "bases): the stored response is then reached only after DRF's authentication, "
             "permission and throttle checks. See docs/security.md.",
             id="django_idempotency.W020",
@@ -112,8 +112,8 @@ def _drf_views_under_the_middleware(views: list[tuple[str, Any]], paths: Any) ->
 def _lease_views_in_atomic_requests(views: list[tuple[str, Any]], database: str) -> list[Error]:
     from django.db import connections
 
-    from django_idempotency.decorators import OPTIONS_ATTRIBUTE
-    from django_idempotency.middleware import view_class_of
+    from django_idempotency.http.handler import OPTIONS_ATTRIBUTE
+    from django_idempotency.http.middleware import view_class_of
 
     if not connections.settings.get(database, {}).get("ATOMIC_REQUESTS"):
         return []
@@ -135,7 +135,8 @@ def _lease_views_in_atomic_requests(views: list[tuple[str, Any]], database: str)
             f"Lease-mode views run under ATOMIC_REQUESTS on database {database!r}: "
             f"{_named(stuck)}. @idempotent(atomic=False) on a method cannot mark the view "
             "non-atomic, so every request would fail.",
-            hint="Use django_idempotency.drf.IdempotentMixin with idempotency_atomic = False for "
+            hint="Use django_idempotency.http.drf.IdempotentMixin with idempotency_atomic = False "
+            "for "
             "a DRF view, or add @method_decorator(transaction.non_atomic_requests("
             f"using={database!r}), name='dispatch') to the class.",
             id="django_idempotency.E021",

@@ -2,7 +2,7 @@
 
 .. code-block:: python
 
-    from django_idempotency import outbox
+    from django_idempotency.outbox import core as outbox
 
     with transaction.atomic():
         order = Order.objects.create(...)
@@ -16,7 +16,8 @@
 of the business data, and return the message's event id. They refuse to run outside
 ``transaction.atomic``: there, the row would commit on its own and the point of the outbox (the
 message and the state change commit together) would be lost. If the transaction rolls back, the
-message is gone with it; if it commits, the relay (:mod:`django_idempotency.relay`) sends it, at
+message is gone with it; if it commits, the relay (:mod:`django_idempotency.outbox.relay`) sends
+it, at
 least once, and the consumer's processed events turn that into exactly one effect.
 
 On PostgreSQL the insert also queues a ``NOTIFY`` on the relay's channel, in the same statement
@@ -36,14 +37,14 @@ from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from django_idempotency.conf import conf
-from django_idempotency.events import (
+from django_idempotency.events.core import (
     EventId,
     find_event_id,
     new_event_id,
     normalize_event_id,
 )
 from django_idempotency.models import OutboxEntry
-from django_idempotency.transports import celery_envelope
+from django_idempotency.outbox.transports import celery_envelope
 
 if TYPE_CHECKING:
     from celery import Task
@@ -72,7 +73,7 @@ def publish(
     The event id is the ``event_id`` keyword argument, or the ``"event_id"`` key of a first
     argument that is a mapping, when the call carries one; otherwise a new UUIDv7. The message
     carries it as its task id and ``event_id`` header, where
-    :class:`~django_idempotency.celery.IdempotentConsumer` finds it.
+    :class:`~django_idempotency.events.celery.IdempotentConsumer` finds it.
 
     :param task: the task, or its registered name.
     :param args: positional arguments (JSON-serialisable).

@@ -1,0 +1,138 @@
+"""The outbox's Kafka transport: :class:`KafkaTransport` sends the relay's messages to Kafka.
+
+The relay (:mod:`django_idempotency.outbox.relay`) hands it a batch; it answers, for each
+message, whether the broker acknowledged it. The consumer side is :mod:`.runner`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from django.core.exceptions import ImproperlyConfigured
+
+from django_idempotency.events.ids import EVENT_ID_KEY
+from django_idempotency.extras import missing_extra
+
+try:
+    from confluent_kafka import KafkaError, KafkaException, Message, Producer
+except ImportError as error:  # confluent-kafka is the "kafka" extra
+    raise missing_extra("kafka", __name__) from error
+
+if TYPE_CHECKING:
+    from django_idempotency.outbox.transports import OutboxMessage
+
+__all__ = ["KafkaTransport"]
+
+
+class KafkaTransport:
+    """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
+
+    Each message goes to the topic named by its destination, its payload as compact JSON, its
+    ordering key as the Kafka key, its headers plus ``event_id``. The producer is idempotent
+    with ``acks=all`` (a message counts as sent once every in-sync replica has it) and
+    partitions by a hash of the key (``murmur2_random``, the Java client's partitioner), so one
+    key's messages share a partition and keep their order.
+
+    Within one :meth:`send`, the messages of one ordering key go out one at a time, each after
+    the previous one was acknowledged: after a failure the later ones of that key are not sent
+    and are reported failed. Messages of different keys, and messages without one, go out
+    together.
+
+    :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
+        idempotence and ``acks`` cannot be weakened.
+    :param timeout: seconds to wait for the acknowledgements of one batch; librdkafka gives up on
+        a message after this long too (``message.timeout.ms``), so none is sent later.
+    """
+
+    def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
+        if not config.get("bootstrap.servers"):
+            raise ImproperlyConfigured("KafkaTransport needs config={'bootstrap.servers': ...}.")
+        if str(config.get("enable.idempotence", True)).lower() in ("false", "0"):
+            raise ImproperlyConfigured("KafkaTransport always uses enable.idempotence=true.")
+        if str(config.get("acks", "all")) not in ("all", "-1"):
+            raise ImproperlyConfigured("KafkaTransport always uses acks=all.")
+        self.timeout = float(timeout)
+        self.config = {
+            "partitioner": "murmur2_random",
+            "message.timeout.ms": int(self.timeout * 1000),
+            **config,
+            "enable.idempotence": True,
+            "acks": "all",
+        }
+        self._producer: Producer | None = None
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        results: list[BaseException | None] = [None] * len(messages)
+        failed: dict[str, BaseException] = {}
+        for batch in _rounds(messages):
+            reports: dict[int, KafkaError | None] = {}
+            sent: list[int] = []
+            producer = self._open()
+            for index in batch:
+                message = messages[index]
+                key = message.ordering_key
+                if key is not None and key in failed:
+                    results[index] = failed[key]
+                    continue
+                try:
+                    producer.produce(
+                        message.destination,
+                        value=json.dumps(message.payload, separators=(",", ":")).encode(),
+                        key=key,
+                        headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                        on_delivery=functools.partial(_report, reports, index),
+                    )
+                except (KafkaException, BufferError, TypeError, ValueError) as exc:
+                    results[index] = exc
+                else:
+                    sent.append(index)
+            producer.flush(self.timeout + 5)
+            for index in sent:
+                if index not in reports:
+                    results[index] = TimeoutError(
+                        f"no acknowledgement from Kafka within {self.timeout}s"
+                    )
+                elif reports[index] is not None:
+                    error = reports[index]
+                    results[index] = KafkaException(error)
+                    if error is not None and error.fatal():
+                        self.close()  # a fatal idempotence error: the next send starts afresh
+            for index in batch:
+                key = messages[index].ordering_key
+                if results[index] is not None and key is not None:
+                    failed.setdefault(key, results[index])  # type: ignore[arg-type]
+        return results
+
+    def _open(self) -> Producer:
+        if self._producer is None:
+            self._producer = Producer(dict(self.config))
+        return self._producer
+
+    def close(self) -> None:
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            producer.flush(self.timeout)
+
+
+def _report(
+    reports: dict[int, KafkaError | None], index: int, error: KafkaError | None, message: Message
+) -> None:
+    reports[index] = error
+
+
+def _rounds(messages: Sequence[OutboxMessage]) -> list[list[int]]:
+    """Indexes in sending rounds: round ``n`` holds the ``n``-th message of each key."""
+    rounds: defaultdict[int, list[int]] = defaultdict(list)
+    seen: Counter[str] = Counter()
+    for index, message in enumerate(messages):
+        key = message.ordering_key
+        if key is None:
+            rounds[0].append(index)
+        else:
+            rounds[seen[key]].append(index)
+            seen[key] += 1
+    return [rounds[n] for n in sorted(rounds)]
