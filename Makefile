@@ -6,8 +6,8 @@ demo:  ## Serve the test project on SQLite at http://127.0.0.1:8000/
 test:  ## Gates, then the Django x Python matrix (noxfile.py) on SQLite, PostgreSQL and MariaDB
 	scripts/test.sh
 
-test-quick:  ## The same without the slow race, crash, worker and browser tests
-	QUICK=1 scripts/test.sh
+test-quick:  ## The loop between two edits: ruff, then the quick tests on SQLite and PostgreSQL (< 3 min)
+	scripts/test-quick.sh
 
 bench:  ## Benchmarks against PostgreSQL
 	scripts/bench.sh

@@ -27,6 +27,18 @@ started=$(date +%s)
 fail() { echo; echo "!! FAILED: $*" >&2; exit 1; }
 step() { echo; echo "== $*"; }
 
+# PgBouncer (started by the pooler pass) is stopped when the command ends, unless it was already
+# running; so is any helper a test starts (each test's fixture stops its own broker).
+pgbouncer_was_up=0
+scripts/pgbouncer.sh status >/dev/null 2>&1 && pgbouncer_was_up=1
+cleanup() {
+  if [ "$pgbouncer_was_up" = 0 ] && scripts/pgbouncer.sh status >/dev/null 2>&1; then
+    echo "== stopping the PgBouncer this run started"
+    scripts/pgbouncer.sh stop >/dev/null 2>&1 || echo "!! PgBouncer could not be stopped" >&2
+  fi
+}
+trap cleanup EXIT
+
 step "set-up"
 scripts/bootstrap.sh dev,postgres,mysql,tasks || fail "set-up"
 # shellcheck disable=SC1091

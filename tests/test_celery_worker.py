@@ -305,10 +305,11 @@ def test_two_consumers_of_one_event_apply_it_once_each(group: WorkerGroup) -> No
     assert effects("shop.audit", event_id) == 1
 
 
-def test_two_thousand_events_delivered_twice_give_two_thousand_effects(
-    group: WorkerGroup,
-) -> None:
-    event_ids = [str(uuid.uuid4()) for _ in range(2000)]
+def test_many_events_delivered_twice_give_one_effect_each(group: WorkerGroup) -> None:
+    # Each event's two deliveries race on the group's concurrent workers; a few hundred events
+    # give hundreds of such races, which is what the proof needs (thousands only add minutes).
+    count = 400
+    event_ids = [str(uuid.uuid4()) for _ in range(count)]
     started = time.monotonic()
     with group.producer() as producer:
         results = [
@@ -321,11 +322,11 @@ def test_two_thousand_events_delivered_twice_give_two_thousand_effects(
     outcomes = wait(group, results, timeout=240)
     done = time.monotonic()
     print(
-        f"\n[4000 messages: published in {published - started:.1f}s, "
-        f"processed in {done - started:.1f}s, {4000 / (done - started):.0f} msg/s]"
+        f"\n[{2 * count} messages: published in {published - started:.1f}s, "
+        f"processed in {done - started:.1f}s, {2 * count / (done - started):.0f} msg/s]"
     )
-    assert outcomes.count("applied") == 2000
-    assert outcomes.count(None) == 2000
-    assert Effect.objects.filter(name="shop.effect").count() == 2000
-    assert Effect.objects.values("payload").distinct().count() == 2000
-    assert ProcessedEvent.objects.filter(consumer="shop.effect").count() == 2000
+    assert outcomes.count("applied") == count
+    assert outcomes.count(None) == count
+    assert Effect.objects.filter(name="shop.effect").count() == count
+    assert Effect.objects.values("payload").distinct().count() == count
+    assert ProcessedEvent.objects.filter(consumer="shop.effect").count() == count

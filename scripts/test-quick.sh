@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The loop between two edits (make test-quick): ruff, then the quick tests (no race, crash,
+# worker or browser test) of the .venv's Django and Python on SQLite and PostgreSQL, side by
+# side, in at most three minutes on two cores. It installs nothing and starts no service: the
+# full suite, MariaDB, PgBouncer, the version matrix, the wheel and the docs build are
+# `make test`'s. PostgreSQL down: its pass is skipped, loudly.
+#
+#   scripts/test-quick.sh [pytest args]     e.g. scripts/test-quick.sh tests/test_outbox.py -x
+set -uo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s)
+
+if [ ! -x .venv/bin/python ]; then
+  echo "!! no .venv: run 'make test' once (or scripts/bootstrap.sh dev,postgres), then this" >&2
+  exit 1
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+export DJANGO_SETTINGS_MODULE=testproject.settings PYTHONDONTWRITEBYTECODE=1
+
+echo "== ruff"
+ruff check . || exit 1
+ruff format --check . || { echo "!! run: .venv/bin/ruff format ." >&2; exit 1; }
+
+python -c "import django, sys; print('== quick tests: Django', django.__version__, 'on Python', sys.version.split()[0])"
+reports=$(mktemp -d)
+trap 'rm -rf "$reports"' EXIT
+backends=(sqlite)
+if python tests/services.py postgres | grep -q " up$"; then
+  backends+=(postgres)
+else
+  echo "!!!! PostgreSQL at 127.0.0.1:5432 is UNREACHABLE: its quick pass is SKIPPED !!!!"
+fi
+declare -A url=([sqlite]="" [postgres]="postgres://postgres@127.0.0.1:5432/postgres")
+pids=()
+for backend in "${backends[@]}"; do
+  DATABASE_URL="${url[$backend]}" TEST_DB_BACKEND="$backend" TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_quick" \
+    python -m pytest -q -p no:cacheprovider -m "not slow" -W error::DeprecationWarning "$@" \
+    > "$reports/$backend.log" 2>&1 &
+  pids+=($!)
+done
+code=0
+for i in "${!backends[@]}"; do
+  wait "${pids[$i]}"; status=$?
+  # exit 5 (nothing selected) fails the loop, unless a selection of yours made it so
+  if [ $status != 0 ] && ! { [ $status = 5 ] && [ $# -gt 0 ]; }; then code=1; fi
+  echo; echo "----- ${backends[$i]} (exit $status) -----"
+  tail -n 25 "$reports/${backends[$i]}.log"
+done
+echo
+echo "== test-quick: $([ $code = 0 ] && echo passed || echo FAILED) in $(( $(date +%s) - started ))s"
+exit $code
