@@ -31,6 +31,7 @@ from django_idempotency.pg_roundtrips import (
     _merged,
     apart_may_travel,
     begin_statement,
+    commit_travels,
     execute_apart_first,
     execute_first,
 )
@@ -223,6 +224,22 @@ def test_a_block_marked_for_rollback_refuses_the_statement_as_django_does() -> N
         transaction.set_rollback(True)
         with pytest.raises(TransactionManagementError):
             execute_first(connection, "SELECT 1", [])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_no_commit_travels_from_a_block_marked_for_rollback() -> None:
+    """``commit_travels`` says no by itself once the block is marked for rollback: its callers
+    must not have to check first, or a COMMIT would carry writes meant to be rolled back."""
+    with transaction.atomic():
+        execute_first(connection, "SELECT 1", [])  # the transaction is open on the server
+        assert commit_travels(connection)
+        transaction.set_rollback(True)
+        assert not commit_travels(connection)
+        transaction.set_rollback(False)
+        assert commit_travels(connection)
+        with transaction.atomic():
+            transaction.set_rollback(True)  # a savepoint marked: the outer block would commit
+            assert not commit_travels(connection)
 
 
 @pytest.mark.django_db(transaction=True)

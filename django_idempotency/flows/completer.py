@@ -7,7 +7,8 @@ string, host, body, content type, user, the view's URL arguments) and runs the v
 through the same claim as a retry would: it takes the record over with a new token, resumes at
 the first phase not done, and stores the final response, which a late retry gets as a replay.
 
-A run that has raised ``max_attempts`` times is rolled forward to failure instead (its
+A run that has raised, or answered an error (a 5xx, or a status that is not stored such as 401,
+403, 409 or 429), ``max_attempts`` times is rolled forward to failure instead (its
 compensations run, the ``flow-failed`` problem is stored). The ``idempotency_complete``
 command and the ``django_idempotency.complete_flows`` Celery task are thin wrappers.
 
@@ -19,6 +20,7 @@ key (or anonymous); views must be function views.
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,10 +29,17 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AnonymousUser
 from django.db.models import Exists, OuterRef
 from django.http import HttpRequest
+from django.http.response import HttpResponseBase
 from django.test import RequestFactory
 
 from django_idempotency.conf import conf
-from django_idempotency.flows.phases import get_flow_view, run
+from django_idempotency.exceptions import (
+    PROBLEM_CONTENT_TYPE,
+    PROBLEM_TYPE_BASE,
+    RequestInProgress,
+    log_text,
+)
+from django_idempotency.flows.phases import get_flow_view, run, stored_view_args
 from django_idempotency.http.core import REPLAYED_HEADER, Command
 from django_idempotency.managers import DatabaseNow
 from django_idempotency.models import FlowRun, IdempotencyRecord
@@ -55,7 +64,8 @@ class Completion:
     flow: str
     outcome: str
     """``completed``, ``failed`` (rolled forward), ``replayed`` (someone finished it first),
-    ``busy`` (a retry holds it now), ``paused`` (the view returned a 5xx again), ``raised``
+    ``busy`` (a retry holds it now), ``paused`` (the view returned a 5xx, 401, 403, 409 or
+    429 again: counted as an attempt, like a raise), ``raised``
     or ``unavailable`` (its view cannot be found or its request rebuilt)."""
     status: int | None = None
     detail: str = ""
@@ -108,10 +118,15 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         request = rebuild_request(run_row, record)
     except (LookupError, ValueError) as exc:
         logger.error(
-            "completer cannot finish flow %s (record %s): %s", run_row.flow, record.pk, exc
+            "completer cannot finish flow %s (record %s): %s",
+            log_text(run_row.flow),
+            record.pk,
+            log_text(exc),
         )
         return outcome("unavailable", detail=str(exc))
-    args, kwargs = run_row.request["view_args"]
+    stored_args = stored_view_args(run_row.request)
+    assert stored_args is not None  # rebuild_request refused a run without them
+    args, kwargs = stored_args
     command = Command(
         owner=record.owner,
         key=record.key,
@@ -124,12 +139,14 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
             view, request, command, tuple(args), kwargs, failing=run_row.attempts >= max_attempts
         )
     except Exception as exc:  # reported, counted on the run, retried next time
-        logger.exception("completer: flow %s (record %s) raised", run_row.flow, record.pk)
+        logger.exception(
+            "completer: flow %s (record %s) raised", log_text(run_row.flow), record.pk
+        )
         return outcome("raised", detail=f"{type(exc).__name__}: {exc}")
     status = response.status_code
     if response.get(REPLAYED_HEADER) == "true":
         return outcome("replayed", status)
-    if status == 409:
+    if _in_progress(response):
         return outcome("busy", status)
     state = (
         FlowRun.objects.using(run_row._state.db)
@@ -138,6 +155,21 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
     )
     names = {FlowRun.State.COMPLETED.value: "completed", FlowRun.State.FAILED.value: "failed"}
     return outcome(names.get(str(state.first()), "paused"), status)
+
+
+def _in_progress(response: HttpResponseBase) -> bool:
+    """Whether ``response`` is the claim's own 409 (another run holds the record), not a 409
+    the view answered after a phase, which pauses the run and counts as an attempt."""
+    if response.status_code != 409 or response.get("Content-Type") != PROBLEM_CONTENT_TYPE:
+        return False
+    try:
+        problem = json.loads(getattr(response, "content", b""))
+    except ValueError:
+        return False
+    return isinstance(problem, dict) and problem.get("type") == IN_PROGRESS_TYPE
+
+
+IN_PROGRESS_TYPE = PROBLEM_TYPE_BASE + RequestInProgress.slug
 
 
 def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:

@@ -45,10 +45,12 @@ several files.
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
 import json
 import logging
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial, wraps
@@ -63,7 +65,9 @@ from django.db.models import F, Model
 from django.db.transaction import TransactionManagementError
 from django.dispatch import Signal
 from django.http import HttpResponse
+from django.http.request import RawPostDataException
 from django.http.response import HttpResponseBase
+from django.test.client import encode_multipart
 from django.utils import timezone
 
 from django_idempotency.clock import DatabaseNow
@@ -74,8 +78,10 @@ from django_idempotency.exceptions import (
     RequestInProgress,
     StaleClaim,
     error_text,
+    log_text,
 )
 from django_idempotency.http.core import Captured, Command, Idempotency, Replay, _Claim
+from django_idempotency.http.fingerprint import is_form
 from django_idempotency.http.handler import (
     OPTIONS_ATTRIBUTE,
     Options,
@@ -149,18 +155,24 @@ class FlowView:
     """A view decorated with ``@idempotent(phases=True)``, found again by the completer."""
 
     name: str
-    """``module:qualname``: stored on each :class:`FlowRun`, so renaming a view strands its
-    unfinished runs."""
+    """``module:qualname``, or ``module:<name>`` for ``@idempotent(phases=True, name=...)``:
+    stored on each :class:`FlowRun`, so renaming a view strands its unfinished runs."""
     func: Callable[..., HttpResponseBase]
     options: Options
 
 
-_REGISTRY: dict[str, FlowView] = {}
+_REGISTRY: dict[str, weakref.ref[FlowView]] = {}
+"""Each name's live view. Weak: the module (or URLconf) that holds the decorated view keeps it;
+a view that nothing holds any more (one a test defined and dropped) can never run again, so its
+name is free for a new one."""
+
+NAME_LENGTH: int = FlowRun._meta.get_field("flow").max_length  # type: ignore[assignment]
 
 
 def get_flow_view(name: str) -> FlowView:
     """The flow view registered as ``name``, importing its module first if needed."""
-    if name not in _REGISTRY:
+    view = _registered(name)
+    if view is None:
         module = name.partition(":")[0]
         try:
             import_module(module)
@@ -168,23 +180,76 @@ def get_flow_view(name: str) -> FlowView:
             raise LookupError(
                 f"Flow view {name!r}: its module cannot be imported ({exc})."
             ) from exc
-    try:
-        return _REGISTRY[name]
-    except KeyError:
+        view = _registered(name)
+    if view is None:
         raise LookupError(
             f"No view is decorated with @idempotent(phases=True) as {name!r}: was it renamed?"
-        ) from None
+        )
+    return view
 
 
-def flow_view(func: Callable[..., HttpResponseBase], options: Options) -> Callable[..., Any]:
+def _registered(name: str) -> FlowView | None:
+    ref = _REGISTRY.get(name)
+    return None if ref is None else ref()
+
+
+def _register(view: FlowView) -> None:
+    """Register ``view`` under its name; refuse a second live view of that name.
+
+    Two views made by one factory (``def make(amount): @idempotent(phases=True) def v(...)``)
+    share ``module:make.<locals>.v``. Registered over each other, the completer resumed the
+    first one's runs with the second one's code (it charged the wrong amount): a wrong view must
+    never run, so the second is refused until it gets a name of its own.
+    """
+    if _live_rival(view) is not None:
+        gc.collect()  # a view that only a reference cycle still holds is not a rival
+    rival = _live_rival(view)
+    if rival is not None:
+        raise ImproperlyConfigured(
+            f"Two phased views are both named {view.name!r} (each made by one factory, or "
+            "defined twice in one module): the completer would resume the runs of one with the "
+            "code of the other. Give each its own name that stays the same across restarts: "
+            "@idempotent(phases=True, name='charge_500'); the name is stored on its runs "
+            f"as {view.name.partition(':')[0]}:<name>."
+        )
+    _REGISTRY[view.name] = weakref.ref(view)
+
+
+def _live_rival(view: FlowView) -> FlowView | None:
+    current = _registered(view.name)
+    return current if current is not None and current.func is not view.func else None
+
+
+def flow_name(func: Callable[..., Any], name: str | None) -> str:
+    """The registered name of a phased view: ``module:qualname``, or ``module:name``."""
+    if name is None:
+        full = f"{func.__module__}:{func.__qualname__}"
+    elif not isinstance(name, str) or not name.strip() or ":" in name:
+        raise ImproperlyConfigured(
+            f"@idempotent(phases=True, name=...) takes a non-empty name without ':', not {name!r}."
+        )
+    else:
+        full = f"{func.__module__}:{name}"
+    if len(full) > NAME_LENGTH:
+        raise ImproperlyConfigured(
+            f"The phased view name {full!r} is longer than {NAME_LENGTH} characters, the "
+            "width of FlowRun.flow: give it a shorter one with @idempotent(phases=True, "
+            "name=...)."
+        )
+    return full
+
+
+def flow_view(
+    func: Callable[..., HttpResponseBase], options: Options, name: str | None = None
+) -> Callable[..., Any]:
     """Wrap ``func(request, flow, *args, **kwargs)``; called by ``@idempotent(phases=True)``."""
     if iscoroutinefunction(func):
         raise ImproperlyConfigured(
             f"@idempotent(phases=True) cannot wrap the coroutine function {func.__qualname__}: "
             "each phase is a synchronous transaction. Write the view with def."
         )
-    view = FlowView(f"{func.__module__}:{func.__qualname__}", func, options)
-    _REGISTRY[view.name] = view
+    view = FlowView(flow_name(func, name), func, options)
+    _register(view)
 
     @wraps(func)
     def wrapper(request: Any, *args: Any, **kwargs: Any) -> HttpResponseBase:
@@ -234,14 +299,21 @@ def run(
         flow = Flow(core, command, core.claim, view, request, args, kwargs, failing=failing)
         core.flow = flow
         try:
-            return view.func(request, flow, *args, **kwargs)
+            response = view.func(request, flow, *args, **kwargs)
         except _RollForward as stop:
             return flow._roll_forward(stop.phase)
         except Exception:
             if not failing:
                 raise
-            logger.exception("flow %s raised while rolling forward to failure", view.name)
+            logger.exception(
+                "flow %s raised while rolling forward to failure", log_text(view.name)
+            )
             return flow._roll_forward(None)
+        if failing and flow.recorded and not flow.failed and core.paused_by(response):
+            # Every phase is done, yet the view answers an error once more: pausing again would
+            # rerun it on every pass of the completer, for ever.
+            return flow._roll_forward(None)
+        return response
 
     try:
         result = core.run(command, body, partial(capture, request=request))
@@ -273,6 +345,12 @@ class _FlowCore(Idempotency):
         claim.atomic = transaction.atomic(using=self.policy.using)
         claim.atomic.__enter__()
 
+    def paused_by(self, response: HttpResponseBase) -> bool:
+        """Whether a run that committed a phase and answers ``response`` is paused, not done:
+        a 5xx or an unstored status (401, 403, 409, 429, ...) is not the request's answer."""
+        status = response.status_code
+        return status >= 500 or status in self.policy.unstored_statuses
+
     def _finish(self, command: Command, claim: _Claim, captured: Captured) -> None:
         flow = self.flow
         if flow is not None and flow.failed:
@@ -281,8 +359,10 @@ class _FlowCore(Idempotency):
         temporary = captured.status >= 500 or captured.status in self.policy.unstored_statuses
         if flow is not None and flow.recorded and temporary:
             # Phases committed and cannot be rolled back: keep the recovery point, give up the
-            # lease so that a retry or the completer resumes at once.
-            flow._pause(f"the view returned {captured.status}", count=False)
+            # lease so that a retry or the completer resumes at once. The attempt counts, as a
+            # raise does: a view that keeps answering an error is rolled forward to failure
+            # after the completer's max_attempts, instead of being rerun on every pass.
+            flow._pause(f"the view returned {captured.status}", count=True)
             self._log(command, "paused", record=claim.record_id, status=captured.status)
             return
         self._fresh_atomic(claim)
@@ -634,26 +714,95 @@ class Flow:
         return problem.as_response()
 
     def _request_data(self) -> dict[str, Any]:
-        """What the completer needs to rebuild the request (see docs/flows.md for the limits)."""
+        """What the completer needs to rebuild the request (see docs/flows.md for the limits).
+
+        The URL arguments are kept as ASCII JSON text (``"view_args"``, read back with
+        :func:`stored_view_args`): a NUL (``%00`` in the URL) or a lone surrogate is then an
+        escape in a string, which PostgreSQL's ``jsonb`` stores, where a raw ``\\u0000``
+        made it refuse the first phase (a 500); the completer gets the arguments back exactly.
+        """
         request = django_request(self.request)
         user = getattr(self.request, "user", None)
         try:
-            view_args: Any = json.loads(json.dumps([list(self.args), self.kwargs]))
-        except (TypeError, ValueError):
+            view_args: str | None = json.dumps(
+                [list(self.args), self.kwargs], ensure_ascii=True, allow_nan=False
+            )
+        except (TypeError, ValueError, RecursionError):
             view_args = None
+        body, content_type = _stored_body(self.request, request)
         return {
             "method": request.method,
             "path": request.get_full_path(),
             # As sent: validating it against ALLOWED_HOSTS is the view's business, not a phase's.
-            "host": request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", ""),
+            "host": _storable(
+                request.META.get("HTTP_HOST") or request.META.get("SERVER_NAME", "")
+            ),
             "secure": request.is_secure(),
-            "content_type": request.META.get("CONTENT_TYPE", ""),
-            "body": base64.b64encode(request.body).decode("ascii"),
+            "content_type": _storable(content_type),
+            "body": base64.b64encode(body).decode("ascii"),
             "user": str(getattr(user, "pk", ""))
             if getattr(user, "is_authenticated", False)
             else None,
             "view_args": view_args,
         }
+
+
+MULTIPART_BOUNDARY = "django-idempotency-stored-form"
+"""The boundary of a multipart body written again from its parsed form (:func:`_stored_body`)."""
+
+
+def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
+    """The request's body and content type, as the completer will send them again.
+
+    A multipart POST is parsed from the stream (by the fingerprint, CSRF or the view), and
+    Django then keeps no raw body: reading ``request.body`` raised ``RawPostDataException``,
+    and every multipart POST to a phased view answered 500. Its parsed fields and files are
+    written again as a multipart body of the same content. A body a DRF parser consumed is
+    stored as the JSON of what it parsed.
+    """
+    content_type = str(http_request.META.get("CONTENT_TYPE", ""))
+    try:
+        return http_request.body, content_type
+    except RawPostDataException as exc:
+        consumed = exc
+    if is_form(content_type):
+        fields: dict[str, list[Any]] = {
+            name: list(http_request.POST.getlist(name)) for name in http_request.POST
+        }
+        for name in http_request.FILES:
+            fields.setdefault(name, []).extend(http_request.FILES.getlist(name))
+        for upload in _uploads(fields):
+            upload.seek(0)
+        try:
+            body = encode_multipart(MULTIPART_BOUNDARY, fields)
+        finally:
+            for upload in _uploads(fields):
+                upload.seek(0)  # the view reads its files after the first phase, too
+        return body, f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+    if hasattr(request, "_full_data"):  # a DRF request whose parser read the stream
+        text = json.dumps(request.data, ensure_ascii=True, default=str)
+        return text.encode("ascii"), "application/json"
+    raise consumed
+
+
+def _uploads(fields: dict[str, list[Any]]) -> list[Any]:
+    return [value for values in fields.values() for value in values if hasattr(value, "seek")]
+
+
+def _storable(text: str) -> str:
+    """A header value as a JSON column stores it: a NUL written as ``%00``, as the record's
+    path is (:func:`~django_idempotency.http.store.stored_path`)."""
+    return text.replace("\x00", "%00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def stored_view_args(data: dict[str, Any]) -> tuple[list[Any], dict[str, Any]] | None:
+    """A stored request's URL arguments, ``(args, kwargs)``, or None when they were not stored.
+    A run stored before they were kept as text holds the JSON list itself."""
+    value = data.get("view_args")
+    if value is None:
+        return None
+    args, kwargs = json.loads(value) if isinstance(value, str) else value
+    return list(args), dict(kwargs)
 
 
 # --- Phase results ------------------------------------------------------------------------------

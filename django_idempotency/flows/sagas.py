@@ -38,6 +38,7 @@ from django.db import transaction
 
 from django_idempotency.conf import conf
 from django_idempotency.events.core import EventId, normalize_event_id, try_reserve
+from django_idempotency.exceptions import log_text
 from django_idempotency.models import ProcessedEvent
 
 __all__ = ["Saga", "StepOutcome"]
@@ -107,7 +108,13 @@ class Saga:
                 return StepOutcome(APPLIED, body())
             cancelled = not self.happened(step)  # its key is its compensation's tombstone
         status = CANCELLED if cancelled else DUPLICATE
-        logger.info("saga %s %s: step %s %s", self.name, self.saga_id, step, status)
+        logger.info(
+            "saga %s %s: step %s %s",
+            log_text(self.name),
+            log_text(self.saga_id),
+            log_text(step),
+            status,
+        )
         return StepOutcome(status)
 
     def compensate(self, step: str, body: Callable[[], T]) -> StepOutcome[T]:
@@ -119,7 +126,13 @@ class Saga:
                 status = NOT_NEEDED  # the step never ran; its key is now a tombstone
             else:
                 return StepOutcome(APPLIED, body())
-        logger.info("saga %s %s: compensation of %s %s", self.name, self.saga_id, step, status)
+        logger.info(
+            "saga %s %s: compensation of %s %s",
+            log_text(self.name),
+            log_text(self.saga_id),
+            log_text(step),
+            status,
+        )
         return StepOutcome(status)
 
     def happened(self, step: str) -> bool:

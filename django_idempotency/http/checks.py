@@ -30,8 +30,15 @@ LISTED_VIEWS = 5
 
 def url_views() -> list[tuple[str, Any]]:
     """Every ``(path, view function)`` of the root URLconf. A path keeps its converters
-    (``/api/orders/<int:pk>/``); a regex route loses its ``^`` and ``$``."""
+    (``/api/orders/<int:pk>/``); a regex route loses its ``^`` and ``$``.
+
+    A project without ``ROOT_URLCONF`` (a settings module for Celery workers, the relay or the
+    Kafka runner) has no views: none are listed, as Django's own URL checks skip it. Asking
+    ``get_resolver()`` there raised ``AttributeError`` from every command that runs checks."""
     from django.urls import URLResolver, get_resolver
+
+    if not getattr(settings, "ROOT_URLCONF", None):
+        return []
 
     found: list[tuple[str, Any]] = []
 

@@ -52,6 +52,7 @@ from django_idempotency.exceptions import (
     RequestInProgress,
     ResponseNotStored,
     StaleClaim,
+    log_text,
 )
 from django_idempotency.http.owner import display_owner
 from django_idempotency.http.store import ClaimResult, ClaimValues, Existing, RecordStore
@@ -394,20 +395,25 @@ class Idempotency:
     ) -> None:
         if not logger.isEnabledFor(level):  # nothing is formatted for a level that is off
             return
-        details = "".join(f" {name}={value}" for name, value in extra.items() if value is not None)
-        owner = display_owner(command.owner)  # never a credential-derived value in full
+        details = "".join(
+            f" {name}={log_text(value)}" for name, value in extra.items() if value is not None
+        )
+        # Every value from the request is escaped (log_text): a path with %0A or a key with an
+        # ESC sequence would otherwise forge log lines or rewrite a terminal.
+        key = log_text(command.key)
+        owner = log_text(display_owner(command.owner))  # never a credential-derived value in full
         logger.log(
             level,
             "idempotency %s key=%s owner=%s method=%s path=%s%s",
             outcome,
-            command.key,
+            key,
             owner,
-            command.method,
-            command.path,
+            log_text(command.method),
+            log_text(command.path),
             details,
             extra={
                 "idempotency_outcome": outcome,
-                "idempotency_key": command.key,
+                "idempotency_key": key,
                 "idempotency_owner": owner,
             },
         )

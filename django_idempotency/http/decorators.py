@@ -35,6 +35,7 @@ from functools import wraps
 from typing import Any, TypeVar, overload
 
 from asgiref.sync import iscoroutinefunction
+from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.flows.phases import flow_view
 from django_idempotency.http.handler import (
@@ -63,6 +64,7 @@ def idempotent(
     atomic: bool = True,
     lease: timedelta | float | None = None,
     phases: bool = False,
+    name: str | None = None,
 ) -> Callable[[V], V]: ...
 
 
@@ -76,6 +78,7 @@ def idempotent(
     atomic: bool = True,
     lease: timedelta | float | None = None,
     phases: bool = False,
+    name: str | None = None,
 ) -> V | Callable[[V], V]:
     """Make a view safe to retry with an ``Idempotency-Key`` header.
 
@@ -89,6 +92,9 @@ def idempotent(
         default ``IDEMPOTENCY["LEASE"]``.
     :param phases: lease mode split into atomic phases with recovery points: the view takes
         ``(request, flow)``; see :mod:`django_idempotency.flows.phases`. Implies ``atomic=False``.
+    :param name: phases only: the name the completer finds the view by, stored on its runs as
+        ``module:name`` (default ``module:qualname``). Two phased views of one name are
+        refused, so views made by one factory each need their own.
 
     The view may be a function, an ``async def`` function, or a method whose first argument is
     ``self`` and second the request (DRF ``APIView`` and ``ViewSet`` methods).
@@ -97,9 +103,14 @@ def idempotent(
         required=required, ttl=ttl, methods=methods, atomic=atomic and not phases, lease=lease
     )
 
+    if name is not None and not phases:
+        raise ImproperlyConfigured(
+            "@idempotent(name=...) names a phased view for the completer: pass phases=True too."
+        )
+
     def decorate(func: V) -> V:
         if phases:
-            return flow_view(func, options)  # type: ignore[return-value]
+            return flow_view(func, options, name)  # type: ignore[return-value]
         if iscoroutinefunction(func):
 
             @wraps(func)

@@ -19,7 +19,10 @@ PostgreSQL
     by the lock alone: nobody else could see the row before it commits anyway, so the record is
     written once, completed, by :meth:`RecordStore.complete` (``ClaimResult.deferred``). After
     taking the lock the function looks again, in a new statement whose snapshot sees a record
-    that the lock's previous holder committed.
+    that the lock's previous holder committed. Under ``REPEATABLE READ`` or ``SERIALIZABLE``, a
+    rival that committed the key after the transaction's snapshot makes the insert fail with a
+    serialization failure (``40001``): that is answered as "in progress", so the client's retry
+    gets the replay.
 MariaDB / MySQL
     ``SET STATEMENT innodb_lock_wait_timeout=0 FOR INSERT ...``: an uncommitted duplicate makes
     the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
@@ -224,7 +227,19 @@ class RecordStore:
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token]
         params += [v.lease, v.ttl, advisory_lock_id(v.owner, v.key)]
         # The claim is the first statement of the transaction: its BEGIN travels with it.
-        rows = execute_first(self.connection, CLAIM_POSTGRESQL, params)
+        try:
+            rows = execute_first(self.connection, CLAIM_POSTGRESQL, params)
+        except OperationalError as exc:
+            if _sqlstate(exc) != SERIALIZATION_FAILURE:
+                raise
+            # REPEATABLE READ or SERIALIZABLE, and a rival committed this key after the
+            # transaction's snapshot was taken (under ATOMIC_REQUESTS, by a session lookup
+            # before the view): the insert's ON CONFLICT meets a row the snapshot cannot see.
+            # No statement in this transaction can read that row, so the answer is "in
+            # progress" (409 with Retry-After), and the client's retry, in a new transaction,
+            # gets the replay. It answered 500 before.
+            self.connection.needs_rollback = self.connection.in_atomic_block
+            return ClaimResult(None, None)
         got, claimed_id, *row, deferred = rows[0]
         if deferred:
             return ClaimResult(None, None, v)
@@ -437,6 +452,7 @@ COMPLETE_POSTGRESQL = "SELECT django_idempotency_complete_v1(%s, %s, %s, %s::jso
 ``0007_complete_function`` creates. It raises ``NO_DATA_FOUND`` when the token no longer owns
 the record."""
 NO_DATA_FOUND = "P0002"
+SERIALIZATION_FAILURE = "40001"
 
 
 def _sqlstate(exc: DatabaseError) -> str | None:
