@@ -45,7 +45,8 @@ def page_problems(site: Path, path: Path, ids: dict[Path, set[str]]) -> list[str
     problems = []
     text = text_of(main)
     for match in SNIPPET.finditer(text):
-        problems.append(f"{name}: a raw include marker: {text[match.start() : match.end() + 60]!r}")
+        shown = text[match.start() : match.end() + 60]
+        problems.append(f"{name}: a raw include marker: {shown!r}")
     for match in PLACEHOLDER.finditer(text):
         problems.append(f"{name}: a raw placeholder: {match.group()!r}")
     for match in PIPE_PARAGRAPH.finditer(main):
@@ -136,9 +137,7 @@ def test_each_planted_error_is_found(tmp_path: Path) -> None:
     docs.mkdir()
     for name, text in PLANTED.items():
         (docs / name).write_text(text)
-    config = yaml.safe_load(
-        (ROOT / "mkdocs.yml").read_text().replace("!!python/name:", "")
-    )
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))
     config.update(
         docs_dir=str(docs),
         nav=["index.md", "other.md"],
