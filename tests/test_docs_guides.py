@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.conftest import require_service
+from tests.services import reachable
 from tests.test_docs_quickstart import exchanges, files, free_port, run, send
 
 if TYPE_CHECKING:
@@ -224,6 +225,36 @@ def test_the_kafka_guide_relays_to_the_consumer(tmp_path: Path, kafka_cluster: C
     with sqlite3.connect(project / "db.sqlite3") as db:
         (ledger_event,) = db.execute("SELECT event_id FROM orders_ledgerentry").fetchone()
     assert ledger_event == event_id
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgres"])
+def test_the_testing_guide_tests_pass_in_the_quickstart_project(
+    tmp_path: Path, database: str
+) -> None:
+    project = build(tmp_path, QUICKSTART, DOCS / "testing.md")
+    if database == "postgres":
+        if not reachable("postgres"):
+            pytest.skip("PostgreSQL does not answer")
+        suffix = os.environ.get("TEST_DB_SUFFIX", "")
+        add_setting(
+            project,
+            "DATABASES = {'default': {'ENGINE': 'django.db.backends.postgresql', "
+            "'NAME': 'postgres', 'USER': 'postgres', 'HOST': '127.0.0.1', "
+            f"'TEST': {{'NAME': 'test_docs_guide{suffix}'}}}}}}",
+        )
+    run([PYTHON, "manage.py", "makemigrations", "orders"], project, environment())
+    args = [PYTHON, "-m", "pytest", "orders/tests.py", "--ds=mysite.settings", "-p"]
+    done = subprocess.run(
+        [*args, "no:cacheprovider", "-rs", "--create-db"],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    passed = 5 if database == "postgres" else 4
+    assert f"{passed} passed" in done.stdout, done.stdout
 
 
 README = ROOT / "README.md"
