@@ -195,3 +195,18 @@ def test_a_bad_problem_type_base_is_a_system_check_error() -> None:
         errors = check_settings(None)
     assert [e.id for e in errors] == ["django_idempotency.E002"]
     assert "PROBLEM_TYPE_BASE" in errors[0].msg
+
+
+def test_the_migration_guide_settings_pass_the_checks() -> None:
+    """The ``IDEMPOTENCY`` that docs/migrating.md says both libraries accept passes this app's
+    checks, and holds only keys drf-idempotency 1.0.0 also reads."""
+    from django_idempotency.checks import check_settings
+
+    block = re.search(r'```python title="settings.py"\n(.*?)```', page("migrating.md"), re.S)
+    assert block
+    namespace: dict[str, Any] = {}
+    exec(block[1], namespace)  # the page's own settings
+    assert set(namespace["IDEMPOTENCY"]) <= {"METHODS", "MAX_KEY_LENGTH"}
+    with override_settings(IDEMPOTENCY=namespace["IDEMPOTENCY"]):
+        assert check_settings(None) == []
+        assert conf.METHODS == {"POST", "PUT", "PATCH"}
