@@ -157,3 +157,14 @@ def test_each_planted_error_is_found(tmp_path: Path) -> None:
     assert "an anchor that does not exist: other/#nor-here" in found
     assert "#a-section" not in found
     assert len(found.splitlines()) == 6, found
+
+
+def test_no_include_sits_in_a_block_that_ruff_formats() -> None:
+    """``ruff format`` formats ```` ```python ```` blocks in Markdown, and turns an include line
+    into ``--8 < --"file"``, which the site then shows as text. Includes go in ```` ```{.python}
+    ```` blocks, which it leaves alone."""
+    fence = re.compile(r"^```(python|py)\b[^\n]*\n(.*?)^```$", re.M | re.S)
+    for path in (ROOT / "docs").glob("*.md"):
+        for match in fence.finditer(path.read_text()):
+            assert "--8<--" not in match[2], f"{path.name}: an include in a ```python block"
+            assert not SNIPPET.search(match[2]), f"{path.name}: a mangled include"
