@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+#: The clients do not depend on the database the demo runs on: the SQLite pass runs them.
+pytestmark = pytest.mark.sqlite
+
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "client-retries.md"
 ORDER = {"reference": "R-1", "amount_cents": 700, "provider": "stripe", "external_payment_id": ""}
 
@@ -95,6 +98,7 @@ def test_the_python_client_gets_the_answer_then_its_replay(live_server: Any) -> 
     assert sleeps.seconds == []
 
 
+@pytest.mark.slow  # a node process
 @pytest.mark.django_db(transaction=True)
 def test_the_javascript_client_gets_the_answer_then_its_replay(
     live_server: Any, tmp_path: Path
@@ -173,6 +177,7 @@ def test_the_python_client_retries_with_one_key_and_waits_out_retry_after(
     assert len(scripted.keys) == 1
 
 
+@pytest.mark.slow  # a node process
 def test_the_javascript_client_retries_with_one_key(scripted: Any, tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{scripted.server_port}/"
     scripted.script = [*FLAKY, *REUSED]

@@ -40,7 +40,9 @@ DOCS = ROOT / "docs"
 QUICKSTART = DOCS / "quickstart.md"
 PYTHON = sys.executable
 
-pytestmark = pytest.mark.slow
+#: Each builds its own SQLite project (the testing page also a PostgreSQL one): once is enough,
+#: so they run in the SQLite pass only.
+pytestmark = [pytest.mark.slow, pytest.mark.sqlite]
 
 
 def environment() -> dict[str, str]:

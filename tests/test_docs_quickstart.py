@@ -134,6 +134,7 @@ def run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.sqlite  # its own SQLite project: once is enough
 def test_the_quickstart_builds_and_answers_as_the_page_says(tmp_path: Path) -> None:
     page = PAGE.read_text()
     for command in COMMANDS:

@@ -102,6 +102,7 @@ def build(config: Path, site: Path, strict: bool = True) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.sqlite  # the site does not depend on the database: built once
 def test_the_built_site_has_no_raw_markup_and_no_broken_link(tmp_path: Path) -> None:
     build(ROOT / "mkdocs.yml", tmp_path / "site")
     assert (tmp_path / "site/outbox/index.html").exists()
@@ -131,6 +132,7 @@ Version {{ version }}.
 
 
 @pytest.mark.slow
+@pytest.mark.sqlite
 def test_each_planted_error_is_found(tmp_path: Path) -> None:
     """A site with one error of each kind: each is reported, and the good link is not."""
     docs = tmp_path / "docs"
