@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.apps import apps
 from django.core.management import load_command_class
 from django.test import override_settings
 
@@ -22,6 +23,7 @@ import django_idempotency
 from django_idempotency import exceptions
 from django_idempotency.conf import OPTIONS, conf
 from django_idempotency.exceptions import ProblemError
+from django_idempotency.http.owner import AUTHORIZATION_SALT
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -210,3 +212,51 @@ def test_the_migration_guide_settings_pass_the_checks() -> None:
     with override_settings(IDEMPOTENCY=namespace["IDEMPOTENCY"]):
         assert check_settings(None) == []
         assert conf.METHODS == {"POST", "PUT", "PATCH"}
+
+
+def resolves(dotted: str) -> bool:
+    """``dotted`` is a module of the package, or an attribute of one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                target = getattr(target, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_dotted_path_on_the_pages_exists() -> None:
+    """After the package was reorganised, a page naming an old path sends readers nowhere."""
+    from django_idempotency import tasks
+
+    task_names = {
+        task.name
+        for task in vars(tasks).values()
+        if hasattr(task, "name") and str(getattr(task, "name", "")).startswith("django_idem")
+    }
+    task_names |= {"django_idempotency.complete_flows"}
+    labels = {
+        model._meta.label for model in apps.get_app_config("django_idempotency").get_models()
+    }
+    found = set(re.findall(r"\bdjango_idempotency(?:\.[A-Za-z_][A-Za-z0-9_]*)+", all_docs()))
+    found |= set(
+        re.findall(r"\bdjango_idempotency(?:\.[A-Za-z_][A-Za-z0-9_]*)+", page("../README.md"))
+    )
+    missing = sorted(
+        path
+        for path in found
+        if path not in task_names
+        and not re.fullmatch(r"django_idempotency\.[EW]\d{3}", path)
+        and path not in labels
+        and path != AUTHORIZATION_SALT
+        and not resolves(path)
+    )
+    assert missing == []
