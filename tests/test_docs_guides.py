@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sqlite3
@@ -49,23 +50,43 @@ def environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("DJANGO_", "DATABASE_URL"))}
 
 
-def build(tmp_path: Path, *pages: Path, app: str = "orders") -> Path:
-    """``startproject mysite``, ``startapp``, then every titled block of ``pages`` in order."""
-    env = environment()
-    run([PYTHON, "-m", "django", "startproject", "mysite"], tmp_path, env)
-    project = tmp_path / "mysite"
-    run([PYTHON, "manage.py", "startapp", app], project, env)
+def write_pages(project: Path, *pages: Path) -> None:
     for page in pages:
         for path, append, text in files(page):
             target = project / path
             target.write_text((target.read_text() + "\n" if append else "") + text)
-    return project
 
 
 def migrate(project: Path) -> None:
+    """``makemigrations orders`` and ``migrate``, in one process (each start costs seconds)."""
+    script = (
+        "from django.core.management import call_command\n"
+        "call_command('makemigrations', 'orders', verbosity=0)\n"
+        "call_command('migrate', verbosity=0)\n"
+    )
+    run([PYTHON, "manage.py", "shell", "-c", script], project, environment())
+
+
+@pytest.fixture(scope="session")
+def quickstart_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The quickstart's project (``startproject``, ``startapp orders``, its files), migrated
+    once; each test copies it. ``tests/test_docs_quickstart.py`` builds it from scratch."""
     env = environment()
-    run([PYTHON, "manage.py", "makemigrations", "orders"], project, env)
-    run([PYTHON, "manage.py", "migrate"], project, env)
+    base = tmp_path_factory.mktemp("quickstart")
+    run([PYTHON, "-m", "django", "startproject", "mysite"], base, env)
+    project = base / "mysite"
+    run([PYTHON, "manage.py", "startapp", "orders"], project, env)
+    write_pages(project, QUICKSTART)
+    migrate(project)
+    return project
+
+
+def build(tmp_path: Path, template: Path, *pages: Path) -> Path:
+    """A copy of the quickstart's project with every titled block of ``pages`` added."""
+    project = tmp_path / "mysite"
+    shutil.copytree(template, project, ignore=shutil.ignore_patterns("__pycache__"))
+    write_pages(project, *pages)
+    return project
 
 
 def add_setting(project: Path, text: str) -> None:
@@ -155,9 +176,11 @@ def celery_worker(queue: str) -> list[str]:
     ]
 
 
-def test_the_outbox_guide_publishes_through_a_relay_to_a_worker(tmp_path: Path) -> None:
+def test_the_outbox_guide_publishes_through_a_relay_to_a_worker(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
     require_service("redis")
-    project = build(tmp_path, QUICKSTART, DOCS / "outbox.md")
+    project = build(tmp_path, quickstart_project, DOCS / "outbox.md")
     queue = f"docs-outbox-{uuid.uuid4().hex[:8]}"
     add_setting(project, f"CELERY_TASK_DEFAULT_QUEUE = {queue!r}")
     migrate(project)
@@ -181,8 +204,10 @@ def test_the_outbox_guide_publishes_through_a_relay_to_a_worker(tmp_path: Path) 
     assert (state, ledger_event) == ("sent", event_id)
 
 
-def test_the_flows_guide_answers_and_replays_the_ride(tmp_path: Path) -> None:
-    project = build(tmp_path, QUICKSTART, DOCS / "flows.md")
+def test_the_flows_guide_answers_and_replays_the_ride(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
+    project = build(tmp_path, quickstart_project, DOCS / "flows.md")
     migrate(project)
     with server(project) as port:
         check_exchanges(DOCS / "flows.md", port, expected=1)
@@ -191,9 +216,11 @@ def test_the_flows_guide_answers_and_replays_the_ride(tmp_path: Path) -> None:
     assert count(project, "django_idempotency_flowrun") == 1
 
 
-def test_the_django_tasks_guide_enqueues_once_for_a_db_worker(tmp_path: Path) -> None:
+def test_the_django_tasks_guide_enqueues_once_for_a_db_worker(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
     pytest.importorskip("django_tasks_db")
-    project = build(tmp_path, QUICKSTART, DOCS / "django-tasks.md")
+    project = build(tmp_path, quickstart_project, DOCS / "django-tasks.md")
     migrate(project)
     with server(project) as port:
         check_exchanges(DOCS / "django-tasks.md", port, expected=1)
@@ -206,8 +233,10 @@ def test_the_django_tasks_guide_enqueues_once_for_a_db_worker(tmp_path: Path) ->
     assert count(project, "orders_ledgerentry") == 1
 
 
-def test_the_kafka_guide_relays_to_the_consumer(tmp_path: Path, kafka_cluster: Cluster) -> None:
-    project = build(tmp_path, QUICKSTART, DOCS / "kafka.md")
+def test_the_kafka_guide_relays_to_the_consumer(
+    tmp_path: Path, quickstart_project: Path, kafka_cluster: Cluster
+) -> None:
+    project = build(tmp_path, quickstart_project, DOCS / "kafka.md")
     settings = project / "mysite" / "settings.py"
     text = settings.read_text()
     assert text.count("kafka-1:9092,kafka-2:9092") == 2
@@ -231,9 +260,9 @@ def test_the_kafka_guide_relays_to_the_consumer(tmp_path: Path, kafka_cluster: C
 
 @pytest.mark.parametrize("database", ["sqlite", "postgres"])
 def test_the_testing_guide_tests_pass_in_the_quickstart_project(
-    tmp_path: Path, database: str
+    tmp_path: Path, quickstart_project: Path, database: str
 ) -> None:
-    project = build(tmp_path, QUICKSTART, DOCS / "testing.md")
+    project = build(tmp_path, quickstart_project, DOCS / "testing.md")
     if database == "postgres":
         if not reachable("postgres"):
             pytest.skip("PostgreSQL does not answer")
@@ -244,7 +273,6 @@ def test_the_testing_guide_tests_pass_in_the_quickstart_project(
             "'NAME': 'postgres', 'USER': 'postgres', 'HOST': '127.0.0.1', "
             f"'TEST': {{'NAME': 'test_docs_guide{suffix}'}}}}}}",
         )
-    run([PYTHON, "manage.py", "makemigrations", "orders"], project, environment())
     args = [PYTHON, "-m", "pytest", "orders/tests.py", "--ds=mysite.settings", "-p"]
     done = subprocess.run(
         [*args, "no:cacheprovider", "-rs", "--create-db"],
@@ -287,12 +315,14 @@ def readme_sections() -> dict[str, str]:
     return dict(zip(sections[1::2], sections[2::2], strict=True))
 
 
-def test_the_readme_ten_lines_run(tmp_path: Path) -> None:
+def test_the_readme_ten_lines_run(tmp_path: Path, quickstart_project: Path) -> None:
     require_service("redis")
     sections = readme_sections()
     assert sections["settings.py"].strip() == 'INSTALLED_APPS = [..., "django_idempotency"]'
-    project = build(tmp_path, QUICKSTART)  # its Celery app, the orders app, and their settings
+    project = build(tmp_path, quickstart_project)  # its Celery app, orders app and settings
     (project / "orders" / "models.py").write_text(README_MODELS)
+    (project / "orders" / "migrations" / "0001_initial.py").unlink()
+    (project / "db.sqlite3").unlink()
     for name in ("views.py", "tasks.py"):
         (project / "orders" / name).write_text(README_IMPORTS[name] + sections[name])
     (project / "orders" / "api.py").unlink()  # the quickstart's DRF view of its own models
