@@ -232,6 +232,12 @@ def _outbox_transports(name: str, value: Any) -> dict[str, dict[str, Any]]:
     return parsed
 
 
+def _type_base(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value or any(c.isspace() for c in value):
+        raise _error(name, f"must be a non-empty URI prefix without spaces, not {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -302,6 +308,11 @@ OPTIONS: dict[str, Option] = {
         _partition_interval,
         "None, or 'day'/'month': ProcessedEvent is range-partitioned by event time "
         "(PostgreSQL; see idempotency_partitions).",
+    ),
+    "PROBLEM_TYPE_BASE": Option(
+        "https://django-idempotency.readthedocs.io/en/latest/problems/#",
+        _type_base,
+        "The prefix of every problem's type URI; the problem's slug follows it.",
     ),
     # --- The transactional outbox ---
     "OUTBOX_TTL": Option(
@@ -439,6 +450,10 @@ class IdempotencySettings:
     @property
     def EVENT_PARTITIONS(self) -> str | None:
         return self.value("EVENT_PARTITIONS")  # type: ignore[no-any-return]
+
+    @property
+    def PROBLEM_TYPE_BASE(self) -> str:
+        return self.value("PROBLEM_TYPE_BASE")  # type: ignore[no-any-return]
 
     @property
     def OUTBOX_TTL(self) -> timedelta:

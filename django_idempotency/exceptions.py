@@ -9,10 +9,21 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
+from django.conf import settings
 from django.http import HttpResponse
 
 PROBLEM_CONTENT_TYPE = "application/problem+json"
+#: The default of ``IDEMPOTENCY["PROBLEM_TYPE_BASE"]``: the problem types' page of the docs.
 PROBLEM_TYPE_BASE = "https://django-idempotency.readthedocs.io/en/latest/problems/#"
+
+
+def problem_type_base() -> str:
+    """``IDEMPOTENCY["PROBLEM_TYPE_BASE"]``, read here rather than through ``conf``: this module
+    sits below ``conf`` (``conf`` validates the value and the system checks report a bad one),
+    and a problem is rare enough that reading the setting each time costs nothing."""
+    configured = getattr(settings, "IDEMPOTENCY", None) or {}
+    value = configured.get("PROBLEM_TYPE_BASE", PROBLEM_TYPE_BASE)
+    return value if isinstance(value, str) else PROBLEM_TYPE_BASE
 
 
 class IdempotencyError(Exception):
@@ -33,7 +44,7 @@ class ProblemError(IdempotencyError):
 
     @property
     def type(self) -> str:
-        return PROBLEM_TYPE_BASE + self.slug
+        return problem_type_base() + self.slug
 
     def headers(self) -> dict[str, str]:
         return {}
