@@ -21,7 +21,8 @@ from tests.workers import database_url
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = [pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
+# Each test builds a benchmark database and runs a benchmark in a subprocess: slow.
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture

@@ -112,6 +112,12 @@ def test_the_command_and_the_task(client: Client) -> None:
     call_command("idempotency_complete", "--dry-run", stdout=out)
     assert f"key={first}" in out.getvalue() and f"key={second}" in out.getvalue()
     assert IdempotencyRecord.objects.filter(state="in_progress").count() == 2
+    out = StringIO()
+    call_command("idempotency_complete", "--dry-run", "--json", stdout=out)
+    listed = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert {run["key"] for run in listed} == {first, second}
+    assert all(isinstance(run["attempts"], int) and "flow" in run for run in listed)
+    assert IdempotencyRecord.objects.filter(state="in_progress").count() == 2
 
     out = StringIO()
     call_command("idempotency_complete", "--json", "--limit", "1", stdout=out)

@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
+from django_idempotency.exceptions import log_text
 from django_idempotency.flows.completer import (
     DEFAULT_LIMIT,
     DEFAULT_MAX_ATTEMPTS,
@@ -58,15 +59,28 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="List the abandoned runs; change nothing."
         )
-        parser.add_argument("--json", action="store_true", help="Print one JSON line per run.")
+        parser.add_argument(
+            "--json", action="store_true", help="Print one JSON line per run (listed or handled)."
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if options["dry_run"]:
             for run in abandoned()[: options["limit"]]:
-                self.stdout.write(
-                    f"record {run.record_id} key={run.record.key} flow={run.flow} "
-                    f"at={run.recovery_point or '-'} attempts={run.attempts}"
-                )
+                listed = {
+                    "record": run.record_id,
+                    "key": run.record.key,
+                    "flow": run.flow,
+                    "recovery_point": run.recovery_point or None,
+                    "attempts": run.attempts,
+                }
+                if options["json"]:
+                    self.stdout.write(json.dumps(listed))
+                else:
+                    self.stdout.write(
+                        f"record {run.record_id} key={log_text(run.record.key)} "
+                        f"flow={log_text(run.flow)} at={log_text(run.recovery_point or '-')} "
+                        f"attempts={run.attempts}"
+                    )
             return
         completions = complete_abandoned(
             limit=options["limit"], max_attempts=options["max_attempts"]
@@ -77,7 +91,8 @@ class Command(BaseCommand):
             else:
                 detail = f" ({done.detail})" if done.detail else ""
                 self.stdout.write(
-                    f"record {done.record} key={done.key} flow={done.flow}: {done.outcome} "
+                    f"record {done.record} key={log_text(done.key)} flow={log_text(done.flow)}: "
+                    f"{done.outcome} "
                     f"{done.status or ''}{detail}".rstrip()
                 )
         if not options["json"]:
