@@ -293,7 +293,19 @@ def test_eager_database_error_raises() -> None:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("kwargs", [{}, {"event_id": ""}, {"event_id": "x" * 256}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"event_id": ""},
+        {"event_id": "x" * 256},
+        # Unstorable: the driver raised UnicodeEncodeError (the surrogate) or DataError (the NUL,
+        # on PostgreSQL) inside the task, which failed and was acked, neither applied nor parked.
+        {"event_id": "\ud800abc"},
+        {"event_id": "evt\x00"},
+        {"event_id": 4.5},
+    ],
+)
 def test_from_a_broker_a_message_without_a_valid_id_is_parked_not_dropped(
     kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -311,6 +323,24 @@ def test_from_a_broker_a_message_without_a_valid_id_is_parked_not_dropped(
     assert parked.parked_at is not None
     assert "MissingEventId" in parked.last_error
     assert "kwargs=" in parked.last_error  # enough to republish it by hand
+
+
+@pytest.mark.django_db
+def test_from_a_broker_a_task_id_that_cannot_be_stored_still_parks_the_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The task id names the parked row; it comes from the message, so it is escaped too."""
+    effect.push_request(id="task\x00\ud800\nid", is_eager=False, called_directly=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django_idempotency"), pytest.raises(Reject):
+            effect(event_id="\ud800")
+    finally:
+        effect.pop_request()
+    parked = EventDelivery.objects.get()
+    assert parked.event_id == "no-event-id:task\\x00\\ud800\nid"
+    assert "InvalidEventId" in parked.last_error or "lone surrogate" in parked.last_error
+    # The newline in the task id forged no log line.
+    assert all("\n" not in record.getMessage() for record in caplog.records)
 
 
 @pytest.mark.django_db

@@ -43,7 +43,7 @@ from django_idempotency.events.ids import (
     find_event_id,
     normalize_event_id,
 )
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 
 __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]
 
@@ -299,9 +299,9 @@ class IdempotentConsumerMixin(_TaskBase):
             "consumer %s: %s",
             countdown,
             int(self.request.retries or 0) + 1,
-            event_id,
-            self.consumer_name,
-            error,
+            log_text(event_id),
+            log_text(self.consumer_name),
+            log_text(error),
         )
         # Unbounded on purpose: the message waits for the database, however long it is down.
         raise self.retry(
