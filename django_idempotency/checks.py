@@ -8,8 +8,9 @@ django_idempotency.E002 An ``IDEMPOTENCY`` value is invalid (wrong type, TTL of 
 django_idempotency.E003 ``IDEMPOTENCY`` is not a dict.
 django_idempotency.E004 ``IdempotencyMiddleware`` sits before ``AuthenticationMiddleware``.
 django_idempotency.E005 ``IDEMPOTENCY["OWNER"]`` cannot be imported, or is not callable.
-django_idempotency.E010 On MySQL/MariaDB, a key, owner, event id or consumer column does not
-                        have a binary collation (``manage.py check --database``).
+django_idempotency.E010 On MySQL/MariaDB, a key, owner, event id, consumer or ordering key
+                        column does not have a NO PAD binary collation
+                        (``manage.py check --database``).
 django_idempotency.W001 ``RECORD_TTL`` is under 24 hours.
 django_idempotency.W002 ``EVENT_TTL`` is shorter than ``RECORD_TTL``.
 django_idempotency.W020 The middleware handles DRF views before their permission checks.
@@ -145,18 +146,23 @@ def check_binary_collation(
     """Run by ``migrate`` and ``manage.py check --database ALIAS``: it queries the database."""
     from django.db import connections
 
-    from django_idempotency.collation import BINARY_COLLATION, non_binary_columns
+    from django_idempotency.collation import binary_collation, non_binary_columns
 
     messages: list[CheckMessage] = []
     for alias in databases or ():
-        for table, column, collation in non_binary_columns(connections[alias]):
+        connection = connections[alias]
+        for table, column, collation in non_binary_columns(connection):
+            wanted = binary_collation(connection)
             messages.append(
                 Error(
                     f"{table}.{column} on database {alias!r} has the collation {collation!r}, "
                     "which does not compare byte for byte: two keys or event ids that differ "
-                    "only in case would be taken for one, and a different event skipped.",
-                    hint=f"Give it {BINARY_COLLATION!r} again: ALTER TABLE {table} MODIFY "
-                    f"{column} ... COLLATE {BINARY_COLLATION} (keep its type and NULL-ness).",
+                    "only in case or in trailing spaces (a PAD SPACE collation such as "
+                    "utf8mb4_bin ignores those) would be taken for one, and a different event "
+                    "skipped.",
+                    hint=f"Run migrate (0009_nopad_collation), or give it {wanted!r} again: "
+                    f"ALTER TABLE {table} MODIFY {column} ... COLLATE {wanted} (keep its type "
+                    "and NULL-ness).",
                     id="django_idempotency.E010",
                 )
             )

@@ -121,6 +121,17 @@ class MissingEventId(IdempotencyError, ValueError):
     """A message reached a consumer without an event id."""
 
 
+class InvalidEventId(MissingEventId, TypeError):
+    """A message carries an event id that cannot be stored: not a str, UUID or int, blank,
+    longer than the column, or with a NUL or a lone surrogate (which no database driver sends).
+
+    A :class:`MissingEventId`, so every consumer loop handles it as a message without an id:
+    parked or dead-lettered, never retried, since no retry can store it. Also a
+    :exc:`TypeError`, which :func:`~django_idempotency.events.ids.normalize_event_id` raised for
+    an id of the wrong type before this class existed.
+    """
+
+
 class EventParked(IdempotencyError):
     """An event was delivered more than ``MAX_DELIVERIES`` times and was parked."""
 

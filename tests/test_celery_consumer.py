@@ -13,7 +13,11 @@ from celery.exceptions import Ignore, Reject, Retry
 from django.db import OperationalError, connection, transaction
 
 from django_idempotency import new_event_id
-from django_idempotency.events.celery import IdempotentConsumer, IdempotentConsumerMixin
+from django_idempotency.events.celery import (
+    IdempotentConsumer,
+    IdempotentConsumerMixin,
+    redis_flags_restores,
+)
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.celery import app
@@ -293,7 +297,19 @@ def test_eager_database_error_raises() -> None:
 
 
 @pytest.mark.django_db
-@pytest.mark.parametrize("kwargs", [{}, {"event_id": ""}, {"event_id": "x" * 256}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"event_id": ""},
+        {"event_id": "x" * 256},
+        # Unstorable: the driver raised UnicodeEncodeError (the surrogate) or DataError (the NUL,
+        # on PostgreSQL) inside the task, which failed and was acked, neither applied nor parked.
+        {"event_id": "\ud800abc"},
+        {"event_id": "evt\x00"},
+        {"event_id": 4.5},
+    ],
+)
 def test_from_a_broker_a_message_without_a_valid_id_is_parked_not_dropped(
     kwargs: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -311,6 +327,24 @@ def test_from_a_broker_a_message_without_a_valid_id_is_parked_not_dropped(
     assert parked.parked_at is not None
     assert "MissingEventId" in parked.last_error
     assert "kwargs=" in parked.last_error  # enough to republish it by hand
+
+
+@pytest.mark.django_db
+def test_from_a_broker_a_task_id_that_cannot_be_stored_still_parks_the_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The task id names the parked row; it comes from the message, so it is escaped too."""
+    effect.push_request(id="task\x00\ud800\nid", is_eager=False, called_directly=False)
+    try:
+        with caplog.at_level(logging.ERROR, logger="django_idempotency"), pytest.raises(Reject):
+            effect(event_id="\ud800")
+    finally:
+        effect.pop_request()
+    parked = EventDelivery.objects.get()
+    assert parked.event_id == "no-event-id:task\\x00\\ud800\nid"
+    assert "InvalidEventId" in parked.last_error or "lone surrogate" in parked.last_error
+    # The newline in the task id forged no log line.
+    assert all("\n" not in record.getMessage() for record in caplog.records)
 
 
 @pytest.mark.django_db
@@ -340,14 +374,17 @@ def delivered(task: Any, delivery_info: dict[str, Any] | None) -> bool | None:
         ("pyamqp://guest:guest@127.0.0.1:5672//", False, False),
         ("amqp://guest:guest@127.0.0.1:5672//", None, None),  # no delivery information
         ("amqp://guest:guest@127.0.0.1:5672//", True, True),
+        # Kombu's Redis transport flags every message it restores (kombu 5.2.4 and later), so
+        # a missing flag vouches there too.
+        ("redis://127.0.0.1:6379/15", False, False),
+        ("redis://127.0.0.1:6379/15", True, True),
         # Elsewhere a missing flag proves nothing (Celery reads it as False): every delivery is
         # counted; a flag that is set is still believed.
-        ("redis://127.0.0.1:6379/15", False, None),
-        ("redis://127.0.0.1:6379/15", True, True),
         ("memory://", False, None),
+        ("memory://", True, True),
     ],
 )
-def test_the_broker_vouches_for_a_first_delivery_only_over_amqp(
+def test_the_broker_vouches_for_a_first_delivery_over_amqp_and_redis(
     broker_url: str, flag: bool | None, expected: bool | None
 ) -> None:
     saved = app.conf.broker_url
@@ -357,6 +394,33 @@ def test_the_broker_vouches_for_a_first_delivery_only_over_amqp(
         assert delivered(effect, info) is expected
     finally:
         app.conf.broker_url = saved
+
+
+def test_redis_vouches_only_with_a_kombu_that_flags_its_restores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before kombu 5.2.4 a restored Redis message carried the flag only in a header Celery does
+    not read: a missing flag proved nothing, and believing it would skip every count of a
+    message that kills its worker, so it would never be parked."""
+    import kombu
+
+    assert redis_flags_restores((5, 2, 4, "", ""))
+    assert redis_flags_restores((5, 7, 0, "", ""))
+    assert not redis_flags_restores((5, 2, 3, "", ""))
+    saved = app.conf.broker_url
+    app.conf.broker_url = "redis://127.0.0.1:6379/15"
+    try:
+        monkeypatch.setattr(kombu, "VERSION", (5, 2, 3, "", ""))
+        assert delivered(effect, {"redelivered": False}) is None
+        assert delivered(effect, {"redelivered": True}) is True
+    finally:
+        app.conf.broker_url = saved
+
+
+def test_a_hard_time_limit_gives_the_message_back() -> None:
+    """Acked at its time limit (Celery's default), a hung message left nothing behind."""
+    assert effect.acks_on_timeout is False
+    assert effect.reject_on_worker_lost is True
 
 
 @pytest.mark.django_db

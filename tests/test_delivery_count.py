@@ -21,7 +21,12 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 from django_idempotency import new_event_id
-from django_idempotency.events.core import process_event
+from django_idempotency.events.core import (
+    _park_and_raise,
+    count_delivery,
+    park_message,
+    process_event,
+)
 from django_idempotency.exceptions import EventParked, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.signals import event_duplicate, event_parked
@@ -493,3 +498,38 @@ def test_a_poison_message_that_kills_its_process_is_parked(count: str) -> None:
     assert (delivery.deliveries, delivery.parked_at is not None) == (3, True)
     assert not Effect.objects.exists()
     assert not ProcessedEvent.objects.exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_parking_an_already_parked_delivery_signals_once_and_keeps_parked_at() -> None:
+    """Two deliveries may each decide to park one event (two workers past the limit at once),
+    and a message without an id may be parked again when the broker redelivers it. The second
+    park must neither signal again (an alert would fire twice) nor move ``parked_at`` (the admin
+    and the purge read it as the moment the event was given up)."""
+    parked: list[str] = []
+
+    def receiver(**kwargs: Any) -> None:
+        parked.append(kwargs["event_id"])
+
+    event_parked.connect(receiver)
+    try:
+        delivery = count_delivery("evt-twice", "ledger", using="default")
+        for _ in range(2):
+            with pytest.raises(EventParked):
+                _park_and_raise(delivery, 1, "default")
+            if len(parked) == 1 and not EventDelivery.objects.filter(parked_at=None).exists():
+                first_parked_at = EventDelivery.objects.get(event_id="evt-twice").parked_at
+        for _ in range(2):
+            park_message("ledger", "task-7", "no event id")
+            if len(parked) == 2:
+                first_message_parked_at = EventDelivery.objects.get(
+                    event_id="no-event-id:task-7"
+                ).parked_at
+    finally:
+        event_parked.disconnect(receiver)
+
+    assert parked == ["evt-twice", "no-event-id:task-7"]
+    assert EventDelivery.objects.get(event_id="evt-twice").parked_at == first_parked_at
+    message = EventDelivery.objects.get(event_id="no-event-id:task-7")
+    assert message.parked_at == first_message_parked_at
+    assert message.deliveries == 2  # each delivery of the message still counts

@@ -126,14 +126,21 @@ def test_no_event_id_fails_the_task_and_counts_nothing(
     assert not EventDelivery.objects.exists()
 
 
+INVALID = "django_idempotency.exceptions.InvalidEventId"
+
+
 @pytest.mark.parametrize(
     ("event_id", "error", "message"),
     [
-        (True, "builtins.TypeError", "got an event id of type bool"),
-        (1.5, "builtins.TypeError", "got an event id of type float"),
-        ({"id": 1}, "builtins.TypeError", "got an event id of type dict"),
-        ("", "builtins.ValueError", "The event id is empty"),
-        ("x" * 256, "builtins.ValueError", "the most is 255"),
+        (True, INVALID, "must be a str, an int or a uuid.UUID, not bool"),
+        (1.5, INVALID, "must be a str, an int or a uuid.UUID, not float"),
+        ({"id": 1}, INVALID, "must be a str, an int or a uuid.UUID, not dict"),
+        ("", INVALID, "The event id is empty"),
+        ("x" * 256, INVALID, "the most is 255"),
+        # The driver refused these inside the task (UnicodeEncodeError, or a DataError on
+        # PostgreSQL), after the run had started; now a clear error before the database.
+        ("\ud800abc", INVALID, "lone surrogate"),
+        ("evt\x00", INVALID, "NUL character"),
     ],
 )
 def test_an_invalid_event_id_fails_the_task_and_counts_nothing(

@@ -25,8 +25,9 @@ from django.utils import timezone
 
 from django_idempotency import new_event_id, signals, try_reserve
 from django_idempotency.events.core import count_delivery, normalize_event_id, process_event
+from django_idempotency.events.ids import checked_event_id
 from django_idempotency.events.store import insert_new, mysql_errno
-from django_idempotency.exceptions import EventParked
+from django_idempotency.exceptions import EventParked, InvalidEventId, MissingEventId
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 
@@ -114,6 +115,27 @@ def test_an_empty_or_too_long_id_is_a_value_error(bad: str) -> None:
 def test_an_id_of_another_type_is_a_type_error(bad: object) -> None:
     with pytest.raises(TypeError):
         normalize_event_id(bad)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "   ", "x" * 256, "nul\x00byte", "\ud800abc", "abc\udfff", 4.2, None, b"id", True],
+)
+def test_checked_event_id_refuses_an_id_that_cannot_be_stored(bad: object) -> None:
+    """A lone surrogate reached the driver and raised UnicodeEncodeError before the delivery was
+    counted; every unstorable id is now an InvalidEventId, handled as a missing one."""
+    with pytest.raises(InvalidEventId) as caught:
+        checked_event_id(bad)
+    assert isinstance(caught.value, MissingEventId)
+    # The message is storable, so a loop can keep it as the parked delivery's last_error.
+    str(caught.value).encode("utf-8")
+    assert "\x00" not in str(caught.value)
+
+
+def test_checked_event_id_keeps_a_storable_id_byte_for_byte() -> None:
+    for value in ("order-42 ", "Order-42", "e\u0301", "\u00e9", "\U0001f600", "x" * 255):
+        assert checked_event_id(value) == value
+    assert checked_event_id(7) == "7"
 
 
 def test_an_integer_id_is_its_decimal_string() -> None:

@@ -43,7 +43,7 @@ from django_idempotency.events.ids import (
     find_event_id,
     normalize_event_id,
 )
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 
 __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]
 
@@ -73,15 +73,17 @@ class IdempotentConsumerMixin(_TaskBase):
     * ``max_deliveries``: deliveries before the event is parked; default ``MAX_DELIVERIES``.
       Every delivery counts, autoretry's retries included, so keep it above ``max_retries + 1``.
     * ``count_deliveries``: set False to skip poison-message counting (one transaction less per
-      message, and no parking). On RabbitMQ a first delivery skips it anyway, and nothing is
-      lost by that: see :meth:`broker_redelivered`.
+      message, and no parking). On RabbitMQ and Redis a first delivery skips it anyway, and
+      nothing is lost by that: see :meth:`broker_redelivered`.
     * ``database_retry_delay`` and ``database_retry_delay_max``: the backoff, in seconds, while
       the database is unavailable (default 1 and 60; see below).
 
-    The task defaults to ``acks_late=True`` and ``reject_on_worker_lost=True``: the message is
-    acknowledged only after the transaction has committed, and a worker that dies mid-task gets
-    its message redelivered. ``autoretry_for`` and ``self.retry()`` keep working: the retry
-    exception rolls the reservation back, so the retried message runs the body again.
+    The task defaults to ``acks_late=True``, ``reject_on_worker_lost=True`` and
+    ``acks_on_timeout=False``: the message is acknowledged only after the transaction has
+    committed, and a worker that dies mid-task, or a task killed at its hard time limit, gets
+    its message redelivered (and parked once it has used up ``max_deliveries``).
+    ``autoretry_for`` and ``self.retry()`` keep working: the retry exception rolls the
+    reservation back, so the retried message runs the body again.
 
     What happens to a message:
 
@@ -135,6 +137,11 @@ class IdempotentConsumerMixin(_TaskBase):
 
     acks_late = True
     reject_on_worker_lost = True
+    # A hard time limit kills the pool child as a crash does: the message goes back to the
+    # broker, comes back flagged redelivered and is counted, and one that always hangs is
+    # parked after max_deliveries. Acked (Celery's default), it left nothing behind: no row, no
+    # error, when the broker vouched for its first delivery.
+    acks_on_timeout = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -172,9 +179,14 @@ class IdempotentConsumerMixin(_TaskBase):
 
         * True when the message carries the ``redelivered`` flag: RabbitMQ sets it on every
           message it delivers again, kombu's Redis transport on every message it restores.
-        * False on an AMQP broker (RabbitMQ) when the flag is not set: AMQP vouches that such a
-          message was never delivered before, so its delivery count is skipped (one commit
-          less; the next delivery counts for it if this one dies with its worker).
+        * False when the flag is not set, on an AMQP broker (RabbitMQ) and on Redis with kombu
+          5.2.4 or later: the broker vouches that such a message was never delivered before, so
+          its delivery count is skipped (one commit less; the next delivery counts for it if
+          this one dies with its worker). AMQP sets the flag on every redelivery. Kombu's Redis
+          transport gives a message back only by restoring it (a worker that died or shut
+          down, a rejected message, the visibility timeout), and since 5.2.4 (kombu#1484) every
+          restore sets ``delivery_info["redelivered"]``; before, only a header Celery does not
+          read, so older kombu releases are not believed.
         * None on every other broker, where a missing flag proves nothing (Celery reads a
           missing flag as False), and when the request carries no delivery information: every
           delivery is counted.
@@ -186,7 +198,8 @@ class IdempotentConsumerMixin(_TaskBase):
             return None  # no word from the broker at all
         if delivery_info["redelivered"]:
             return True
-        if _driver_type(self.app) == "amqp":
+        driver = _driver_type(self.app)
+        if driver == "amqp" or (driver == "redis" and redis_flags_restores()):
             return False
         return None
 
@@ -299,9 +312,9 @@ class IdempotentConsumerMixin(_TaskBase):
             "consumer %s: %s",
             countdown,
             int(self.request.retries or 0) + 1,
-            event_id,
-            self.consumer_name,
-            error,
+            log_text(event_id),
+            log_text(self.consumer_name),
+            log_text(error),
         )
         # Unbounded on purpose: the message waits for the database, however long it is down.
         raise self.retry(
@@ -311,6 +324,20 @@ class IdempotentConsumerMixin(_TaskBase):
             countdown=countdown,
             max_retries=int(self.request.retries or 0) + 1,
         )
+
+
+REDIS_REDELIVERED_SINCE = (5, 2, 4)
+"""The first kombu release whose Redis transport sets ``delivery_info["redelivered"]`` on every
+message it restores (kombu#1484)."""
+
+
+def redis_flags_restores(version: tuple[Any, ...] | None = None) -> bool:
+    """Whether the installed kombu's Redis transport flags every message it restores."""
+    if version is None:
+        import kombu
+
+        version = tuple(getattr(kombu, "VERSION", ()))
+    return tuple(int(part) for part in version[:3]) >= REDIS_REDELIVERED_SINCE
 
 
 _DRIVER_TYPES: WeakKeyDictionary[Any, tuple[Any, str]] = WeakKeyDictionary()

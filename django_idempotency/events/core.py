@@ -82,7 +82,7 @@ from django_idempotency.events.ids import (
     normalize_event_id,
 )
 from django_idempotency.events.store import PARKED, PROCESSED, RESERVED, Delivery
-from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed, log_text
 from django_idempotency.pg_roundtrips import apart_may_travel
 
 __all__ = [
@@ -439,8 +439,8 @@ def _reject_parked(event: str, consumer: str, topic: str, count: int | None) -> 
     logger.error(
         "parked event delivered again and rejected: event %s, consumer %s%s. Delete its "
         "EventDelivery row to let it run again.",
-        event,
-        consumer,
+        log_text(event),
+        log_text(consumer),
         times,
         extra={"event_id": event, "consumer": consumer, "topic": topic},
     )
@@ -482,8 +482,8 @@ def _fail_first_delivery(
     except DatabaseError:
         logger.warning(
             "could not count the failed delivery of event %s for consumer %s",
-            event,
-            name,
+            log_text(event),
+            log_text(name),
             exc_info=True,
         )
         return
@@ -500,8 +500,8 @@ def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> D
     except DatabaseError:
         logger.warning(
             "could not count the delivery of event %s for consumer %s",
-            event,
-            name,
+            log_text(event),
+            log_text(name),
             exc_info=True,
         )
         return None
@@ -510,8 +510,8 @@ def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> D
 def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
     logger.info(
         "duplicate ignored: event %s, consumer %s",
-        event,
-        consumer,
+        log_text(event),
+        log_text(consumer),
         extra={"event_id": event, "consumer": consumer, "topic": topic},
     )
     signals.event_duplicate.send(sender=consumer, event_id=event, topic=topic)
@@ -524,10 +524,10 @@ def _after_commit_failed(
         "event %s applied and committed for consumer %s, but an on_commit callback then "
         "failed: %s: %s. A redelivery is skipped as a duplicate, so the callback's work is "
         "not retried.",
-        event,
-        consumer,
+        log_text(event),
+        log_text(consumer),
         type(error).__name__,
-        error,
+        log_text(error),
         extra={"event_id": event, "consumer": consumer},
     )
     failure = OnCommitFailed(
@@ -553,8 +553,8 @@ def _parked(delivery: Delivery, limit: int, newly: bool) -> None:
         "EVENT PARKED: event %s, consumer %s, delivered %d times without being processed "
         "(MAX_DELIVERIES=%d). It will not run again. Find it in the admin under "
         "'event deliveries' (parked); delete that row to let it run again.",
-        delivery.event_id,
-        delivery.consumer,
+        log_text(delivery.event_id),
+        log_text(delivery.consumer),
         delivery.count,
         limit,
         extra={
@@ -594,7 +594,7 @@ def park_message(
     :data:`~django_idempotency.signals.event_parked` is sent the first time.
     """
     name = checked_name("consumer name", consumer)
-    key = MISSING_ID_PREFIX + str(message_ref)[: MAX_ID_LENGTH - len(MISSING_ID_PREFIX)]
+    key = MISSING_ID_PREFIX + _storable_ref(message_ref)
     alias = _alias(using)
     delivery = count_delivery(key, name, topic=topic, using=alias)
     newly = event_store.park(delivery, alias)
@@ -602,10 +602,10 @@ def park_message(
     logger.error(
         "MESSAGE PARKED, no usable event id: consumer %s, message %s: %s. Find it in the admin "
         "under 'event deliveries' (parked), event id %s.",
-        name,
-        message_ref,
-        reason,
-        key,
+        log_text(name),
+        log_text(message_ref),
+        log_text(reason, limit=2000),
+        log_text(key),
         extra={"event_id": key, "consumer": name, "topic": delivery.topic},
     )
     if newly:
@@ -613,3 +613,12 @@ def park_message(
             sender=name, event_id=key, topic=delivery.topic, deliveries=delivery.count
         )
     return key
+
+
+def _storable_ref(message_ref: object) -> str:
+    """A message or task id as the parked row's event id can hold it. The id comes from the
+    message too, so it may be as unstorable as the event id that sent the message here: a NUL
+    and a lone surrogate are written as backslash escapes, and the text is cut to fit."""
+    text = str(message_ref).replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text[: MAX_ID_LENGTH - len(MISSING_ID_PREFIX)]

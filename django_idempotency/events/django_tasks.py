@@ -26,14 +26,13 @@ plain function, so it imports whether or not a tasks framework is installed.
 from __future__ import annotations
 
 import inspect
-import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from django_idempotency.events.consumers import idempotent_consumer
-from django_idempotency.events.ids import EVENT_ID_KEY, normalize_event_id
-from django_idempotency.exceptions import MissingEventId
+from django_idempotency.events.ids import EVENT_ID_KEY, checked_event_id
+from django_idempotency.exceptions import InvalidEventId, MissingEventId
 
 __all__ = ["idempotent_task"]
 
@@ -129,13 +128,12 @@ def idempotent_task(
 
 
 def _event_id(value: object, task: str) -> str:
-    """The stored form of an event id argument: a str or UUID as the core takes it, an int as
-    its decimal string. Anything else (a float, a bool, a dict) is a :exc:`TypeError`."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
-    if isinstance(value, (str, uuid.UUID)):
-        return normalize_event_id(value)
-    raise TypeError(
-        f"Task {task} got an event id of type {type(value).__name__}: pass a str, an int or a "
-        f"UUID, not {value!r}."
-    )
+    """The stored form of an event id argument (see
+    :func:`~django_idempotency.events.ids.checked_event_id`). One that cannot be stored (a float,
+    a bool, a dict, a blank or over-long string, a NUL or a lone surrogate) raises
+    :class:`~django_idempotency.exceptions.InvalidEventId` naming the task, before the database
+    sees it: the task fails with that clear error, and nothing is counted."""
+    try:
+        return checked_event_id(value)
+    except InvalidEventId as exc:
+        raise InvalidEventId(f"Task {task} got an event id it cannot use: {exc}") from exc

@@ -1,7 +1,9 @@
 """Event ids: what one is, where a message carries it, and how a producer makes one.
 
-* :func:`normalize_event_id` turns what a message carries (a ``str``, a :class:`uuid.UUID`, or an
-  ``int`` such as an outbox primary key) into the stored string, or raises.
+* :func:`checked_event_id` (also :func:`normalize_event_id`) turns what a message carries (a
+  ``str``, a :class:`uuid.UUID`, or an ``int`` such as an outbox primary key) into the stored
+  string, or raises :class:`~django_idempotency.exceptions.InvalidEventId` for one that cannot
+  be stored.
 * :func:`find_event_id` finds the id among a consumer's arguments: bound to the consumer's own
   signature when it is given one, so ``apply_payment.delay(eid, pid)`` and
   ``apply_payment.delay(event_id=eid, payment_id=pid)`` name the same id.
@@ -19,11 +21,14 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from django_idempotency.exceptions import InvalidEventId
+
 __all__ = [
     "EVENT_ID_KEY",
     "MAX_ID_LENGTH",
     "EventId",
     "argument_event_id",
+    "checked_event_id",
     "find_event_id",
     "new_event_id",
     "normalize_event_id",
@@ -40,37 +45,83 @@ MAX_ID_LENGTH = 255
 """The longest event id, consumer name or topic: the width of their columns."""
 
 
+def _unstorable(what: str, value: str, *, allow_empty: bool = False) -> str | None:
+    """Why ``value`` cannot be stored in a 255-character text column; None when it can."""
+    if not allow_empty and not value.strip():
+        return f"The {what} is empty."
+    if len(value) > MAX_ID_LENGTH:
+        return (
+            f"The {what} is {len(value)} characters long; the most is {MAX_ID_LENGTH}: "
+            f"{value[:40]!r}..."
+        )
+    if "\x00" in value:
+        # PostgreSQL's text refuses NUL; MariaDB would store it, and the two would disagree.
+        return f"The {what} contains a NUL character: {value[:80]!r}."
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate is not UTF-8: no driver can send it, so the write itself would fail.
+        return f"The {what} contains a lone surrogate, which is not UTF-8: {value[:80]!r}."
+    return None
+
+
 def checked_name(what: str, value: object, *, allow_empty: bool = False) -> str:
     """``value`` as stored in a 255-character name column; else ValueError or TypeError."""
     if isinstance(value, uuid.UUID):
         value = str(value)
     if not isinstance(value, str):
         raise TypeError(f"The {what} must be a str or a uuid.UUID, not {type(value).__name__}.")
-    if not allow_empty and not value.strip():
-        raise ValueError(f"The {what} is empty.")
-    if len(value) > MAX_ID_LENGTH:
-        raise ValueError(
-            f"The {what} is {len(value)} characters long; the most is {MAX_ID_LENGTH}: "
-            f"{value[:40]!r}..."
+    problem = _unstorable(what, value, allow_empty=allow_empty)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+def checked_event_id(value: object) -> str:
+    """The stored form of an event id taken from a message, or :exc:`InvalidEventId`.
+
+    Every loop that reads an id from a message (the Celery and Django-tasks consumers, the Kafka
+    runner, :func:`try_reserve`) calls this before the database sees the id. An id that cannot
+    be stored (not a str, :class:`uuid.UUID` or ``int``; blank; over 255 characters; with a NUL
+    or a lone surrogate) raises :class:`~django_idempotency.exceptions.InvalidEventId`, a
+    :class:`~django_idempotency.exceptions.MissingEventId`: the message is parked or
+    dead-lettered like one without an id. Left to the driver, a lone surrogate raised
+    ``UnicodeEncodeError`` before the delivery was counted, so the message was retried forever.
+
+    A :class:`uuid.UUID` becomes its canonical ``str`` (lowercase, hyphenated); an ``int``
+    (``True`` and ``False`` are not ids) its decimal string. A string is kept exactly as given:
+    ids compare byte for byte, case and trailing spaces included, on every database.
+    """
+    if (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, uuid.UUID):
+        value = str(value)
+    if not isinstance(value, str):
+        raise InvalidEventId(
+            f"The event id must be a str, an int or a uuid.UUID, not {type(value).__name__}: "
+            f"{_preview(value)}."
         )
-    if "\x00" in value:
-        raise ValueError(f"The {what} contains a NUL character: {value!r}.")
+    problem = _unstorable("event id", value)
+    if problem is not None:
+        raise InvalidEventId(problem)
     return value
 
 
 def normalize_event_id(event_id: object) -> str:
-    """Return the stored form of an event id, or raise :exc:`ValueError` or :exc:`TypeError`.
+    """Return the stored form of an event id, or raise
+    :class:`~django_idempotency.exceptions.InvalidEventId` (a :exc:`ValueError` and a
+    :exc:`TypeError`): the same as :func:`checked_event_id`, under its older name.
 
     A :class:`uuid.UUID` becomes its canonical ``str`` (lowercase, hyphenated), so the object and
     ``str(object)`` are the same id. An ``int`` (an outbox row's primary key, say) becomes its
     decimal string, so ``42`` and ``"42"`` are the same id; ``True`` and ``False`` are not ids. A
     string is kept exactly as given: ids compare byte for byte, case included, on every
-    database. An empty or blank id, or one longer than 255 characters, raises
-    :exc:`ValueError`.
+    database.
     """
-    if isinstance(event_id, int) and not isinstance(event_id, bool):
-        event_id = str(event_id)
-    return checked_name("event id", event_id)
+    return checked_event_id(event_id)
+
+
+def _preview(value: object, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def find_event_id(

@@ -38,7 +38,7 @@ from django.db.models import Exists, Field, Model
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency.exceptions import error_text
+from django_idempotency.exceptions import error_text, log_text
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from django_idempotency.pg_roundtrips import execute_apart_first, execute_first
 from django_idempotency.retention.partitioning import EventInsert, event_insert
@@ -497,8 +497,8 @@ def record_error(
     except DatabaseError:  # the body's error is the one that matters, and it propagates
         logger.warning(
             "could not record the error of event %s for consumer %s",
-            delivery.event_id,
-            delivery.consumer,
+            log_text(delivery.event_id),
+            log_text(delivery.consumer),
             exc_info=True,
         )
 
