@@ -179,7 +179,7 @@ def test_a_missing_or_bad_event_id_is_missing_event_id(
 def test_the_guides_consumer_setting_is_valid() -> None:
     guide = (Path(__file__).resolve().parent.parent / "docs" / "kafka.md").read_text()
     [block] = [
-        b for b in re.findall(r"```python\n(.*?)```", guide, re.S) if "KAFKA_CONSUMERS" in b
+        b for b in re.findall(r"```python[^\n]*\n(.*?)```", guide, re.S) if "KAFKA_CONSUMERS" in b
     ]
     namespace: dict[str, Any] = {}
     exec(block, namespace)
