@@ -20,6 +20,7 @@ from tests.services import BROKER_URLS, reachable
 
 if TYPE_CHECKING:
     from tests.kafka_cluster import Cluster
+    from tests.psp import Provider
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
 PGBOUNCER = os.environ.get("PGBOUNCER") == "1"
@@ -116,6 +117,26 @@ def remote_calls() -> Iterator[Counter[str]]:
     REMOTE_CALLS.clear()
     yield REMOTE_CALLS
     REMOTE_CALLS.clear()
+
+
+@pytest.fixture(scope="module")
+def psp_server() -> Iterator[Provider]:
+    """The fake payment provider of ``tests/psp.py``, a real HTTP server, for a module's tests
+    (a gunicorn started for the module reads its URL from ``PSP_URL`` in the environment)."""
+    from tests.psp import provider
+
+    with provider() as running:
+        yield running
+
+
+@pytest.fixture
+def psp(psp_server: Provider) -> Iterator[Provider]:
+    """The provider, with nothing left from an earlier test, and ``PSP_URL`` set."""
+    from django.test import override_settings
+
+    psp_server.reset()
+    with override_settings(PSP_URL=psp_server.url):
+        yield psp_server
 
 
 @pytest.fixture(scope="session")

@@ -32,6 +32,14 @@ class Provider:
     def charge_keys(self) -> list[str]:
         return [key for path, key in self.calls if path == "/v1/charges"]
 
+    def reset(self) -> None:
+        """Forget every call, charge, refund and declined customer (between two tests)."""
+        with self.lock:
+            self.calls.clear()
+            self.charges.clear()
+            self.refunds.clear()
+            self.decline.clear()
+
 
 @contextmanager
 def provider() -> Iterator[Provider]:

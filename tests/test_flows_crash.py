@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
-from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.flows.completer import complete_abandoned
@@ -32,7 +31,7 @@ from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Effect, Receipt, Ride
 from tests.conftest import require_service
 from tests.probes import effects
-from tests.psp import Provider, provider
+from tests.psp import Provider
 from tests.servers import REPO, Gunicorn, Reply, database_url, gunicorn
 from tests.services import BROKER_URLS
 from tests.workers import worker_group
@@ -52,15 +51,9 @@ CRASH_POINTS = [f"{phase}:{when}" for phase in PHASES for when in ("ran", "commi
 
 
 @pytest.fixture(scope="module")
-def psp() -> Iterator[Provider]:
-    with provider() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def server(django_db_setup: None, psp: Provider) -> Iterator[Gunicorn]:
+def server(django_db_setup: None, psp_server: Provider) -> Iterator[Gunicorn]:
     previous = os.environ.get("PSP_URL")
-    os.environ["PSP_URL"] = psp.url  # inherited by the gunicorn processes
+    os.environ["PSP_URL"] = psp_server.url  # inherited by the gunicorn processes
     try:
         with gunicorn(connection.settings_dict, workers=2) as running:
             yield running
@@ -99,37 +92,26 @@ def assert_once(psp: Provider, key: str, reply: Reply) -> None:
     assert (ride.pk, ride.charge_id, ride.status) == (data["ride"], data["charge"], "charged")
 
 
-@pytest.fixture
-def fresh_psp(psp: Provider) -> Iterator[Provider]:
-    with psp.lock:
-        psp.calls.clear()
-        psp.charges.clear()
-    with override_settings(PSP_URL=psp.url):
-        yield psp
-
-
 @pytest.mark.parametrize("point", CRASH_POINTS)
-def test_the_client_retries_after_the_crash(
-    server: Gunicorn, fresh_psp: Provider, point: str
-) -> None:
+def test_the_client_retries_after_the_crash(server: Gunicorn, psp: Provider, point: str) -> None:
     key = f"retry-{point}-{os.getpid()}"
     crash(server, key, point)
     reply = server.post(URL, key, body=RIDE)
     assert "Idempotent-Replayed" not in reply.headers
-    assert_once(fresh_psp, key, reply)
+    assert_once(psp, key, reply)
     replay = server.post(URL, key, body=RIDE)
     assert (replay.headers.get("Idempotent-Replayed"), replay.body) == ("true", reply.body)
     if point in ("ride_created:ran", "charge_created:ran"):
         # Killed after the provider charged (or before any call): the retry called again,
         # under the same key, and the provider answered with the same charge.
-        assert len(fresh_psp.charge_keys()) == (2 if point == "charge_created:ran" else 1)
+        assert len(psp.charge_keys()) == (2 if point == "charge_created:ran" else 1)
     else:
-        assert len(fresh_psp.charge_keys()) == 1  # stored with its recovery point
+        assert len(psp.charge_keys()) == 1  # stored with its recovery point
 
 
 @pytest.mark.parametrize("point", CRASH_POINTS)
 def test_the_client_never_retries_and_the_completer_finishes(
-    server: Gunicorn, fresh_psp: Provider, point: str
+    server: Gunicorn, psp: Provider, point: str
 ) -> None:
     key = f"completer-{point}-{os.getpid()}"
     crash(server, key, point)
@@ -138,27 +120,27 @@ def test_the_client_never_retries_and_the_completer_finishes(
         # Nothing committed but the claim: no effect happened and nothing is stored to resume.
         assert completions == []
         assert not FlowRun.objects.exists()
-        assert (Ride.objects.count(), fresh_psp.calls) == (0, [])
+        assert (Ride.objects.count(), psp.calls) == (0, [])
         reply = server.post(URL, key, body=RIDE)  # a late retry simply runs
-        assert_once(fresh_psp, key, reply)
+        assert_once(psp, key, reply)
         return
     assert [(done.key, done.outcome, done.status) for done in completions] == [
         (key, "completed", 201)
     ]
     late = server.post(URL, key, body=RIDE)
     assert late.headers.get("Idempotent-Replayed") == "true"
-    assert_once(fresh_psp, key, late)
+    assert_once(psp, key, late)
     assert FlowRun.objects.get().state == FlowRun.State.COMPLETED
 
 
 def test_the_command_in_its_own_process_finishes_a_killed_request(
-    server: Gunicorn, fresh_psp: Provider
+    server: Gunicorn, psp: Provider
 ) -> None:
     """``manage.py idempotency_complete`` finds the view by name in a fresh process."""
     key = f"command-{os.getpid()}"
     crash(server, key, "charge_created:ran")
     env = {**os.environ, "DATABASE_URL": database_url(connection.settings_dict)}
-    env["PSP_URL"] = fresh_psp.url
+    env["PSP_URL"] = psp.url
     done = subprocess.run(
         [sys.executable, "manage.py", "idempotency_complete", "--json"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True,
@@ -174,16 +156,16 @@ def test_the_command_in_its_own_process_finishes_a_killed_request(
     }
     late = server.post(URL, key, body=RIDE)
     assert late.headers.get("Idempotent-Replayed") == "true"
-    assert_once(fresh_psp, key, late)
+    assert_once(psp, key, late)
 
 
 def test_the_celery_task_on_a_real_worker_finishes_a_killed_request(
-    server: Gunicorn, fresh_psp: Provider, tmp_path: Path
+    server: Gunicorn, psp: Provider, tmp_path: Path
 ) -> None:
     require_service("redis")
     key = f"celery-{os.getpid()}"
     crash(server, key, "finished:ran")
-    assert os.environ["PSP_URL"] == fresh_psp.url  # set by the server fixture; inherited
+    assert os.environ["PSP_URL"] == psp.url  # set by the server fixture; inherited
     with worker_group(
         broker_url=BROKER_URLS["redis"],
         db_url=database_url(connection.settings_dict),
@@ -197,7 +179,7 @@ def test_the_celery_task_on_a_real_worker_finishes_a_killed_request(
     assert (done["key"], done["outcome"], done["status"]) == (key, "completed", 201)
     late = server.post(URL, key, body=RIDE)
     assert late.headers.get("Idempotent-Replayed") == "true"
-    assert_once(fresh_psp, key, late)
+    assert_once(psp, key, late)
 
 
 @pytest.mark.parametrize("resumable", [True, False])

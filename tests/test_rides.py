@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from django.test import Client, override_settings
@@ -14,18 +13,12 @@ from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop import rides
 from testproject.shop.models import Receipt, Ride
 from tests.probes import body, post
-from tests.psp import Provider, provider
+from tests.psp import Provider
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 URL = "/api/rides/"
 RIDE = {"origin": [52.52, 13.40], "target": [52.50, 13.45]}
-
-
-@pytest.fixture
-def psp() -> Iterator[Provider]:
-    with provider() as running, override_settings(PSP_URL=running.url):
-        yield running
 
 
 def test_a_ride_is_created_charged_and_receipted_once(psp: Provider) -> None:
