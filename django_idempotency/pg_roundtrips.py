@@ -43,7 +43,11 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_idempotency.exceptions import log_text
+
 logger = logging.getLogger("django.db.backends")
+#: What an interrupted exchange did to the connection (as psycopg's ``psycopg`` logger says it).
+interruptions = logging.getLogger(__name__)
 
 Executor = Callable[[str, Any, bool, dict[str, Any]], Any]
 Rows = list[tuple[Any, ...]]
@@ -57,10 +61,14 @@ class _Psycopg:
     client_cursor: Any
     transformer: Any
     lookup: Callable[[str], Any]
+    error: type[Exception]
+    """``psycopg.Error``, the base of psycopg's exceptions."""
     operational_error: Any
     programming_error: type[Exception]
     idle: Any
     """``TransactionStatus.IDLE``: no transaction open on the server."""
+    active: Any
+    """``TransactionStatus.ACTIVE``: a query sent, its results not all read."""
     ok: tuple[Any, ...]
     """The ``ExecStatus`` values of a statement that succeeded."""
     tuples_ok: Any
@@ -84,9 +92,11 @@ def _psycopg() -> _Psycopg | None:
         client_cursor=psycopg.ClientCursor,
         transformer=Transformer,
         lookup=psycopg.errors.lookup,
+        error=psycopg.Error,
         operational_error=psycopg.OperationalError,
         programming_error=psycopg.ProgrammingError,
         idle=psycopg.pq.TransactionStatus.IDLE,
+        active=psycopg.pq.TransactionStatus.ACTIVE,
         ok=(status.COMMAND_OK, status.TUPLES_OK),
         tuples_ok=status.TUPLES_OK,
         sqlstate=psycopg.pq.DiagnosticField.SQLSTATE,
@@ -296,7 +306,7 @@ def _send(
         query = f"{begin}; {statement}" if begin else statement
         if commit:
             query += "; COMMIT"
-        results = _exchange(raw.pgconn, query.encode(encoding))
+        results = _exchange(raw, query.encode(encoding))
         if connection.queries_logged:
             # As Django logs them: the BEGIN apart (Django logs the block's own), the COMMIT
             # with the statement (Django logs its commit too, which finds nothing to send).
@@ -371,33 +381,113 @@ def _merged(raw: Any, sql: str, params: Any) -> str | None:
     return sql % tuple(literals)
 
 
-def _exchange(pgconn: Any, query: bytes) -> list[Any]:
-    """Send ``query`` and read all its results, through libpq's asynchronous calls."""
-    pgconn.send_query(query)
+#: How long an interrupted exchange waits for the server to end its cancelled statement before
+#: closing the connection (psycopg's ``Connection.wait`` waits as long).
+CANCEL_WAIT = 5.0
+
+_INTERRUPTED = (KeyboardInterrupt, SystemExit)
+
+
+class _WaitTimeout(Exception):
+    """The server did not answer within :data:`CANCEL_WAIT`."""
+
+
+def _exchange(raw: Any, query: bytes) -> list[Any]:
+    """Send ``query`` on the psycopg connection ``raw`` and read all its results, through
+    libpq's asynchronous calls, as psycopg's own ``execute`` would.
+
+    It holds the connection's lock (``Connection.lock``, with which psycopg serialises a
+    connection's operations) for the whole exchange: another thread that shares the connection
+    waits instead of sending its query in the middle of this one, and this one waits for an
+    operation of another thread to end. An interruption while the answer is awaited
+    (``KeyboardInterrupt``, ``SystemExit``) is handled as psycopg handles it
+    (:func:`_interrupted`), then raised.
+    """
+    pgconn = raw.pgconn
+    with raw.lock:
+        try:
+            pgconn.send_query(query)
+            return _results(pgconn)
+        except _INTERRUPTED:
+            _interrupted(raw)
+            raise
+
+
+def _interrupted(raw: Any) -> None:
+    """Leave the connection usable, or closed, after an interruption mid-exchange: what
+    psycopg's ``Connection.wait`` does.
+
+    A query still running (the connection ``ACTIVE``) is cancelled on the server, and the rest
+    of its answer read and dropped, for up to :data:`CANCEL_WAIT` seconds: the connection is
+    then idle, in a failed transaction that the atomic block being left rolls back (or, if the
+    statement had ended first, in a transaction that the block rolls back all the same). If the
+    server does not end the statement in time, or a second interruption comes while waiting,
+    the connection is in an unknown state and is closed: Django's rollback then fails, the
+    block closes the connection, and the next query opens a new one. Without this the server
+    would go on running the statement, and psycopg would refuse every command on a connection
+    whose results are pending.
+    """
+    psycopg = _psycopg()
+    assert psycopg is not None
+    pgconn = raw.pgconn
+    if pgconn.transaction_status != psycopg.active:
+        return
+    try:
+        try:
+            # A public API, which does not take the connection's lock (cancelling is what
+            # another thread does to a query that holds it).
+            raw.cancel_safe(timeout=CANCEL_WAIT)
+        except psycopg.error as error:  # the wait below decides, as in psycopg
+            interruptions.warning("query cancellation failed: %s", log_text(error))
+        _results(pgconn, timeout=CANCEL_WAIT)
+    except _WaitTimeout:
+        interruptions.warning(
+            "query not ended %.1f s after its cancellation: closing the connection", CANCEL_WAIT
+        )
+        pgconn.finish()
+    except BaseException as error:
+        # Interrupted again, or the connection failed while the answer was read.
+        interruptions.warning(
+            "query cancellation interrupted (%s): closing the connection", type(error).__name__
+        )
+        pgconn.finish()
+        # A new interruption goes on; an error does not replace the one being handled.
+        if not isinstance(error, Exception):
+            raise
+
+
+def _results(pgconn: Any, timeout: float | None = None) -> list[Any]:
+    """Send what is left of the query, then read all its results; within ``timeout`` seconds
+    if given (else :class:`_WaitTimeout`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while pgconn.flush():
-        _wait(pgconn.socket, writable=True)
+        _wait(pgconn.socket, writable=True, deadline=deadline)
     while True:
         pgconn.consume_input()
         if not pgconn.is_busy():
             break
-        _wait(pgconn.socket, writable=False)
+        _wait(pgconn.socket, writable=False, deadline=deadline)
     results = []
     while (result := pgconn.get_result()) is not None:
         results.append(result)
     return results
 
 
-def _wait(fd: int, *, writable: bool) -> None:
-    """Wait until ``fd`` is ready: with ``poll`` (no limit on the descriptor's number), or with
-    ``select`` where gevent's or eventlet's monkey-patching took ``poll`` away to make waiting
-    cooperative."""
+def _wait(fd: int, *, writable: bool, deadline: float | None = None) -> None:
+    """Wait until ``fd`` is ready, until ``deadline`` (``time.monotonic()``) if given: with
+    ``poll`` (no limit on the descriptor's number), or with ``select`` where gevent's or
+    eventlet's monkey-patching took ``poll`` away to make waiting cooperative."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     poll = getattr(select, "poll", None)
     if poll is None:
-        select.select([] if writable else [fd], [fd] if writable else [], [])
-        return
-    poller = poll()
-    poller.register(fd, select.POLLOUT if writable else select.POLLIN)
-    poller.poll()
+        ready = select.select([] if writable else [fd], [fd] if writable else [], [], left)
+        ready_now = bool(ready[0] or ready[1])
+    else:
+        poller = poll()
+        poller.register(fd, select.POLLOUT if writable else select.POLLIN)
+        ready_now = bool(poller.poll(None if left is None else left * 1000))
+    if not ready_now:
+        raise _WaitTimeout
 
 
 def _error(psycopg: _Psycopg, result: Any, encoding: str) -> Exception:
