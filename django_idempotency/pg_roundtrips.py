@@ -1,5 +1,21 @@
 """PostgreSQL with psycopg 3: the ``BEGIN`` and the ``COMMIT`` that travel with a statement.
 
+Why it is kept, what it relies on, where that is tested. Sending the transaction's ``BEGIN``
+and ``COMMIT`` with the app's own statements saved about 15% on a first HTTP execution, 18% on a
+replay and 14% on a consumer's delivery, measured in issue 24's round (the in-process
+microbenchmarks on PostgreSQL, with this module on and off; ``docs/benchmarks.md``). To know
+whether a ``COMMIT`` may travel, it reads three undocumented attributes of Django's connection:
+``atomic_blocks`` (the open ``atomic`` blocks), ``commit_on_exit`` (the outermost block was
+entered with autocommit on, so leaving it commits) and ``needs_rollback`` (something marked the
+block for rollback). Django has no public way to ask whether leaving the current block will
+commit, and a ``COMMIT`` sent when it would not is a transaction ended behind Django's back.
+``tests/test_pg_roundtrips_django.py`` checks that the attributes exist and mean that, on the
+installed Django; it is a quick test, so the test command runs it on every Django of its
+matrix. ``tests/test_pg_roundtrips.py`` counts the round trips, and
+``tests/test_pg_roundtrips_interrupted.py`` shows the exchange holding psycopg's connection
+lock and surviving an interruption or a ``statement_timeout``; both run on every psycopg the
+test command installs, its declared minimum (3.2.1) included.
+
 A transaction that Django opens with ``transaction.atomic`` costs two round trips of its own on
 psycopg 3: the driver sends ``BEGIN`` alone, just before the first statement, and Django's
 commit sends ``COMMIT`` alone when the block ends. The app's own statements are often the first
@@ -21,12 +37,20 @@ statement commits apart, as the caller asks.) Whenever a condition is not met (a
 backend, a transaction already open, a nested block), the statement goes the usual way, through
 a Django cursor. The parameters are merged into the query on the client, as psycopg merges them
 for Django by default: directly for the types the app passes (:func:`_merged`), by
-``ClientCursor.mogrify`` for anything else. The code uses psycopg's public API only
-(``Connection.pgconn``, ``ConnectionInfo``, ``ClientCursor.mogrify``,
-``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``), and it
-does for the statement what a Django cursor does: the connection's health check, the execute
-wrappers (``connection.execute_wrapper``), the query log (``DEBUG``, ``CaptureQueriesContext``)
-and the translation of errors into ``django.db`` exceptions.
+``ClientCursor.mogrify`` for anything else. The code uses psycopg's public API
+(``Connection.pgconn``, ``ConnectionInfo``, ``Connection.cancel_safe``,
+``ClientCursor.mogrify``, ``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``) and one
+undocumented attribute, ``Connection.lock`` (psycopg 3.0 to 3.3), to do for the exchange what
+psycopg's own ``execute`` does: it holds the connection's lock, and an interruption cancels the
+statement (:func:`_exchange`). It does for the statement what a Django cursor does: the
+connection's health check, the execute wrappers (``connection.execute_wrapper``), the query log
+(``DEBUG``, ``CaptureQueriesContext``) and the translation of errors into ``django.db``
+exceptions.
+
+Why this module is long: one exchange does, in one place, what a Django cursor and psycopg's
+``execute`` each do around a statement (health check, wrappers, log, errors; lock, wait,
+cancellation), plus the parameters' merging; split up, the conditions under which the ``BEGIN``
+and the ``COMMIT`` may travel would be read in one module and relied on in another.
 """
 
 from __future__ import annotations
@@ -157,9 +181,12 @@ def _client_binding(psycopg: _Psycopg, connection: BaseDatabaseWrapper) -> Any:
 
 
 def _binds_on_client(psycopg: _Psycopg, raw: Any) -> bool:
-    """Whether ``raw`` is a psycopg 3 connection whose cursors bind on the client."""
-    return isinstance(raw, psycopg.connection) and issubclass(
-        raw.cursor_factory, psycopg.client_cursor
+    """Whether ``raw`` is a psycopg 3 connection whose cursors bind on the client (and which
+    has the lock that the exchange takes: a psycopg without it keeps its statements apart)."""
+    return (
+        isinstance(raw, psycopg.connection)
+        and issubclass(raw.cursor_factory, psycopg.client_cursor)
+        and hasattr(raw, "lock")
     )
 
 
