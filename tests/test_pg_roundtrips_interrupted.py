@@ -31,6 +31,7 @@ from django.db import OperationalError, connection, connections, transaction
 
 from django_idempotency import pg_roundtrips
 from django_idempotency.pg_roundtrips import (
+    apart_may_travel,
     begin_statement,
     commit_travels,
     execute_apart_first,
@@ -155,13 +156,14 @@ IDS = ["first", "last", "apart-first"]
 
 
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("travel", TRAVELS, ids=IDS)
+@pytest.mark.parametrize("travel", [travels_first, travels_after_one_apart], ids=IDS[::2])
 def test_another_thread_on_the_connection_waits_for_the_exchange(
     travel: Callable[[str, list[Any]], Any],
 ) -> None:
     """The exchange holds psycopg's connection lock: a thread that shares the Django connection
     (``inc_thread_sharing``) and queries while the exchange waits for its answer waits too, then
-    runs; it does not send its query in the middle of the exchange.
+    runs; it does not send its query in the middle of the exchange. (Every way of travelling
+    ends in the same exchange, ``_exchange``.)
 
     The exchange's statement waits on an advisory lock that a coordinating thread holds, so it
     cannot end before the coordinator lets it: the sharer is started meanwhile, and is seen
@@ -228,9 +230,15 @@ def test_another_thread_on_the_connection_waits_for_the_exchange(
 # --- interrupted while waiting for the answer ----------------------------------------------
 
 
+INTERRUPTIONS = [(travel, KeyboardInterrupt) for travel in TRAVELS] + [(travels_first, SystemExit)]
+
+
 @pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("interruption", [KeyboardInterrupt, SystemExit])
-@pytest.mark.parametrize("travel", TRAVELS, ids=IDS)
+@pytest.mark.parametrize(
+    "travel, interruption",
+    INTERRUPTIONS,
+    ids=[*(f"{name}-KeyboardInterrupt" for name in IDS), "first-SystemExit"],
+)
 def test_an_interrupt_cancels_the_statement_and_the_block_rolls_back_on_the_connection(
     travel: Callable[[str, list[Any]], Any], interruption: type[BaseException], other: Any
 ) -> None:
@@ -312,6 +320,30 @@ def test_an_interrupt_while_cancelling_closes_the_connection(
     with transaction.atomic():
         assert travels_first("SELECT %s::int + 1", [41]) == [(42,)]
     assert connection.connection.info.backend_pid != pid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_psycopg_connection_without_its_lock_keeps_its_statements_apart() -> None:
+    """The exchange takes ``Connection.lock``, an attribute psycopg does not document: should a
+    release drop it, the statements go apart, through Django cursors, rather than unlocked."""
+    connection.ensure_connection()
+    raw = connection.connection
+    lock = raw.lock
+    assert apart_may_travel(connection)
+    with transaction.atomic():  # psycopg itself needs its lock to enter and leave the block
+        del raw.lock
+        try:
+            assert begin_statement(connection) is None
+            assert not commit_travels(connection)
+        finally:
+            raw.lock = lock
+    del raw.lock
+    try:
+        assert not apart_may_travel(connection)
+    finally:
+        raw.lock = lock
+    with transaction.atomic():
+        assert begin_statement(connection) is not None
 
 
 # --- statement_timeout mid-exchange --------------------------------------------------------
