@@ -178,6 +178,7 @@ def test_execute_wrappers_are_listed_outermost_first_and_run_in_that_order() -> 
         return wrapper
 
     first, second = named("first"), named("second")
+    connection.ensure_connection()  # a new connection's own set-up queries are not this one's
     with connection.execute_wrapper(first), connection.execute_wrapper(second):
         assert connection.execute_wrappers == [first, second]
         with connection.cursor() as cursor:
