@@ -268,15 +268,21 @@ def test_an_interrupt_cancels_the_statement_and_the_block_rolls_back_on_the_conn
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("poll", ["poll", "select"])
 def test_an_interrupt_the_server_does_not_answer_closes_the_connection(
-    other: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    poll: str, other: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A cancel request that does not end the statement (lost, or the server too busy): after a
     bounded wait the connection is closed, as psycopg closes its own, and Django opens a new
     one for the next query. The cancel request is dropped here (its function does nothing);
-    the server is real."""
+    the server is real. The wait is bounded with ``poll``, and with ``select`` where gevent or
+    eventlet took ``poll`` away."""
+    import select
+
     import psycopg
 
+    if poll == "select":
+        monkeypatch.delattr(select, "poll")
     monkeypatch.setattr(psycopg.Connection, "cancel_safe", lambda self, timeout=30.0: None)
     monkeypatch.setattr(pg_roundtrips, "CANCEL_WAIT", 0.5)
     connection.ensure_connection()
