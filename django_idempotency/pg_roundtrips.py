@@ -1,5 +1,21 @@
 """PostgreSQL with psycopg 3: the ``BEGIN`` and the ``COMMIT`` that travel with a statement.
 
+Why it is kept, what it relies on, where that is tested. Sending the transaction's ``BEGIN``
+and ``COMMIT`` with the app's own statements saved about 15% on a first HTTP execution, 18% on a
+replay and 14% on a consumer's delivery, measured in issue 24's round (the in-process
+microbenchmarks on PostgreSQL, with this module on and off; ``docs/benchmarks.md``). To know
+whether a ``COMMIT`` may travel, it reads three undocumented attributes of Django's connection:
+``atomic_blocks`` (the open ``atomic`` blocks), ``commit_on_exit`` (the outermost block was
+entered with autocommit on, so leaving it commits) and ``needs_rollback`` (something marked the
+block for rollback). Django has no public way to ask whether leaving the current block will
+commit, and a ``COMMIT`` sent when it would not is a transaction ended behind Django's back.
+``tests/test_pg_roundtrips_django.py`` checks that the attributes exist and mean that, on the
+installed Django; it is a quick test, so the test command runs it on every Django of its
+matrix. ``tests/test_pg_roundtrips.py`` counts the round trips, and
+``tests/test_pg_roundtrips_interrupted.py`` shows the exchange holding psycopg's connection
+lock and surviving an interruption or a ``statement_timeout``; both run on every psycopg the
+test command installs, its declared minimum (3.2.1) included.
+
 A transaction that Django opens with ``transaction.atomic`` costs two round trips of its own on
 psycopg 3: the driver sends ``BEGIN`` alone, just before the first statement, and Django's
 commit sends ``COMMIT`` alone when the block ends. The app's own statements are often the first
@@ -21,12 +37,20 @@ statement commits apart, as the caller asks.) Whenever a condition is not met (a
 backend, a transaction already open, a nested block), the statement goes the usual way, through
 a Django cursor. The parameters are merged into the query on the client, as psycopg merges them
 for Django by default: directly for the types the app passes (:func:`_merged`), by
-``ClientCursor.mogrify`` for anything else. The code uses psycopg's public API only
-(``Connection.pgconn``, ``ConnectionInfo``, ``ClientCursor.mogrify``,
-``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``), and it
-does for the statement what a Django cursor does: the connection's health check, the execute
-wrappers (``connection.execute_wrapper``), the query log (``DEBUG``, ``CaptureQueriesContext``)
-and the translation of errors into ``django.db`` exceptions.
+``ClientCursor.mogrify`` for anything else. The code uses psycopg's public API
+(``Connection.pgconn``, ``ConnectionInfo``, ``Connection.cancel_safe``,
+``ClientCursor.mogrify``, ``psycopg.adapt.Transformer``, ``psycopg.errors.lookup``) and one
+undocumented attribute, ``Connection.lock`` (psycopg 3.0 to 3.3), to do for the exchange what
+psycopg's own ``execute`` does: it holds the connection's lock, and an interruption cancels the
+statement (:func:`_exchange`). It does for the statement what a Django cursor does: the
+connection's health check, the execute wrappers (``connection.execute_wrapper``), the query log
+(``DEBUG``, ``CaptureQueriesContext``) and the translation of errors into ``django.db``
+exceptions.
+
+Why this module is long: one exchange does, in one place, what a Django cursor and psycopg's
+``execute`` each do around a statement (health check, wrappers, log, errors; lock, wait,
+cancellation), plus the parameters' merging; split up, the conditions under which the ``BEGIN``
+and the ``COMMIT`` may travel would be read in one module and relied on in another.
 """
 
 from __future__ import annotations
@@ -43,7 +67,11 @@ from typing import Any
 
 from django.db.backends.base.base import BaseDatabaseWrapper
 
+from django_idempotency.exceptions import log_text
+
 logger = logging.getLogger("django.db.backends")
+#: What an interrupted exchange did to the connection (as psycopg's ``psycopg`` logger says it).
+interruptions = logging.getLogger(__name__)
 
 Executor = Callable[[str, Any, bool, dict[str, Any]], Any]
 Rows = list[tuple[Any, ...]]
@@ -57,10 +85,14 @@ class _Psycopg:
     client_cursor: Any
     transformer: Any
     lookup: Callable[[str], Any]
+    error: type[Exception]
+    """``psycopg.Error``, the base of psycopg's exceptions."""
     operational_error: Any
     programming_error: type[Exception]
     idle: Any
     """``TransactionStatus.IDLE``: no transaction open on the server."""
+    active: Any
+    """``TransactionStatus.ACTIVE``: a query sent, its results not all read."""
     ok: tuple[Any, ...]
     """The ``ExecStatus`` values of a statement that succeeded."""
     tuples_ok: Any
@@ -84,9 +116,11 @@ def _psycopg() -> _Psycopg | None:
         client_cursor=psycopg.ClientCursor,
         transformer=Transformer,
         lookup=psycopg.errors.lookup,
+        error=psycopg.Error,
         operational_error=psycopg.OperationalError,
         programming_error=psycopg.ProgrammingError,
         idle=psycopg.pq.TransactionStatus.IDLE,
+        active=psycopg.pq.TransactionStatus.ACTIVE,
         ok=(status.COMMAND_OK, status.TUPLES_OK),
         tuples_ok=status.TUPLES_OK,
         sqlstate=psycopg.pq.DiagnosticField.SQLSTATE,
@@ -147,9 +181,12 @@ def _client_binding(psycopg: _Psycopg, connection: BaseDatabaseWrapper) -> Any:
 
 
 def _binds_on_client(psycopg: _Psycopg, raw: Any) -> bool:
-    """Whether ``raw`` is a psycopg 3 connection whose cursors bind on the client."""
-    return isinstance(raw, psycopg.connection) and issubclass(
-        raw.cursor_factory, psycopg.client_cursor
+    """Whether ``raw`` is a psycopg 3 connection whose cursors bind on the client (and which
+    has the lock that the exchange takes: a psycopg without it keeps its statements apart)."""
+    return (
+        isinstance(raw, psycopg.connection)
+        and issubclass(raw.cursor_factory, psycopg.client_cursor)
+        and hasattr(raw, "lock")
     )
 
 
@@ -296,7 +333,7 @@ def _send(
         query = f"{begin}; {statement}" if begin else statement
         if commit:
             query += "; COMMIT"
-        results = _exchange(raw.pgconn, query.encode(encoding))
+        results = _exchange(raw, query.encode(encoding))
         if connection.queries_logged:
             # As Django logs them: the BEGIN apart (Django logs the block's own), the COMMIT
             # with the statement (Django logs its commit too, which finds nothing to send).
@@ -371,33 +408,113 @@ def _merged(raw: Any, sql: str, params: Any) -> str | None:
     return sql % tuple(literals)
 
 
-def _exchange(pgconn: Any, query: bytes) -> list[Any]:
-    """Send ``query`` and read all its results, through libpq's asynchronous calls."""
-    pgconn.send_query(query)
+#: How long an interrupted exchange waits for the server to end its cancelled statement before
+#: closing the connection (psycopg's ``Connection.wait`` waits as long).
+CANCEL_WAIT = 5.0
+
+_INTERRUPTED = (KeyboardInterrupt, SystemExit)
+
+
+class _WaitTimeout(Exception):
+    """The server did not answer within :data:`CANCEL_WAIT`."""
+
+
+def _exchange(raw: Any, query: bytes) -> list[Any]:
+    """Send ``query`` on the psycopg connection ``raw`` and read all its results, through
+    libpq's asynchronous calls, as psycopg's own ``execute`` would.
+
+    It holds the connection's lock (``Connection.lock``, with which psycopg serialises a
+    connection's operations) for the whole exchange: another thread that shares the connection
+    waits instead of sending its query in the middle of this one, and this one waits for an
+    operation of another thread to end. An interruption while the answer is awaited
+    (``KeyboardInterrupt``, ``SystemExit``) is handled as psycopg handles it
+    (:func:`_interrupted`), then raised.
+    """
+    pgconn = raw.pgconn
+    with raw.lock:
+        try:
+            pgconn.send_query(query)
+            return _results(pgconn)
+        except _INTERRUPTED:
+            _interrupted(raw)
+            raise
+
+
+def _interrupted(raw: Any) -> None:
+    """Leave the connection usable, or closed, after an interruption mid-exchange: what
+    psycopg's ``Connection.wait`` does.
+
+    A query still running (the connection ``ACTIVE``) is cancelled on the server, and the rest
+    of its answer read and dropped, for up to :data:`CANCEL_WAIT` seconds: the connection is
+    then idle, in a failed transaction that the atomic block being left rolls back (or, if the
+    statement had ended first, in a transaction that the block rolls back all the same). If the
+    server does not end the statement in time, or a second interruption comes while waiting,
+    the connection is in an unknown state and is closed: Django's rollback then fails, the
+    block closes the connection, and the next query opens a new one. Without this the server
+    would go on running the statement, and psycopg would refuse every command on a connection
+    whose results are pending.
+    """
+    psycopg = _psycopg()
+    assert psycopg is not None
+    pgconn = raw.pgconn
+    if pgconn.transaction_status != psycopg.active:
+        return
+    try:
+        try:
+            # A public API, which does not take the connection's lock (cancelling is what
+            # another thread does to a query that holds it).
+            raw.cancel_safe(timeout=CANCEL_WAIT)
+        except psycopg.error as error:  # the wait below decides, as in psycopg
+            interruptions.warning("query cancellation failed: %s", log_text(error))
+        _results(pgconn, timeout=CANCEL_WAIT)
+    except _WaitTimeout:
+        interruptions.warning(
+            "query not ended %.1f s after its cancellation: closing the connection", CANCEL_WAIT
+        )
+        pgconn.finish()
+    except BaseException as error:
+        # Interrupted again, or the connection failed while the answer was read.
+        interruptions.warning(
+            "query cancellation interrupted (%s): closing the connection", type(error).__name__
+        )
+        pgconn.finish()
+        # A new interruption goes on; an error does not replace the one being handled.
+        if not isinstance(error, Exception):
+            raise
+
+
+def _results(pgconn: Any, timeout: float | None = None) -> list[Any]:
+    """Send what is left of the query, then read all its results; within ``timeout`` seconds
+    if given (else :class:`_WaitTimeout`)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
     while pgconn.flush():
-        _wait(pgconn.socket, writable=True)
+        _wait(pgconn.socket, writable=True, deadline=deadline)
     while True:
         pgconn.consume_input()
         if not pgconn.is_busy():
             break
-        _wait(pgconn.socket, writable=False)
+        _wait(pgconn.socket, writable=False, deadline=deadline)
     results = []
     while (result := pgconn.get_result()) is not None:
         results.append(result)
     return results
 
 
-def _wait(fd: int, *, writable: bool) -> None:
-    """Wait until ``fd`` is ready: with ``poll`` (no limit on the descriptor's number), or with
-    ``select`` where gevent's or eventlet's monkey-patching took ``poll`` away to make waiting
-    cooperative."""
+def _wait(fd: int, *, writable: bool, deadline: float | None = None) -> None:
+    """Wait until ``fd`` is ready, until ``deadline`` (``time.monotonic()``) if given: with
+    ``poll`` (no limit on the descriptor's number), or with ``select`` where gevent's or
+    eventlet's monkey-patching took ``poll`` away to make waiting cooperative."""
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     poll = getattr(select, "poll", None)
     if poll is None:
-        select.select([] if writable else [fd], [fd] if writable else [], [])
-        return
-    poller = poll()
-    poller.register(fd, select.POLLOUT if writable else select.POLLIN)
-    poller.poll()
+        ready = select.select([] if writable else [fd], [fd] if writable else [], [], left)
+        ready_now = bool(ready[0] or ready[1])
+    else:
+        poller = poll()
+        poller.register(fd, select.POLLOUT if writable else select.POLLIN)
+        ready_now = bool(poller.poll(None if left is None else left * 1000))
+    if not ready_now:
+        raise _WaitTimeout
 
 
 def _error(psycopg: _Psycopg, result: Any, encoding: str) -> Exception:

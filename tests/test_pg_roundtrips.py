@@ -548,7 +548,7 @@ def test_the_count_that_travels_makes_the_server_warn_of_nothing() -> None:
     raw.add_notice_handler(notice)
     try:
         # The handler hears what the server says to the queries that travel.
-        _exchange(raw.pgconn, b"SELECT 1; COMMIT")
+        _exchange(raw, b"SELECT 1; COMMIT")
         assert notices == ["WARNING: there is no transaction in progress"]
         notices.clear()
         with sent() as queries:
