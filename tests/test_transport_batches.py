@@ -409,3 +409,47 @@ def test_a_worker_applies_every_batched_message_once(broker: str, tmp_path: Path
         counts = Effect.objects.filter(name="shop.effect", payload__in=event_ids)
         assert sorted(counts.values_list("payload", flat=True)) == sorted(event_ids)
         assert not OutboxEntry.objects.exclude(state=OutboxEntry.State.SENT).exists()
+
+
+# --- Messages no worker could run are refused when written ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("destination", "payload", "headers", "error"),
+    [
+        ("", {"args": [], "kwargs": {}}, {}, ValueError),
+        ("shop.effect", {"order_id": 1}, {}, TypeError),
+        ("shop.effect", [1, 2], {}, TypeError),
+        ("shop.effect", {"args": "ab", "kwargs": {}}, {}, TypeError),
+        ("shop.effect", {"args": [], "kwargs": []}, {}, TypeError),
+        ("shop.effect", {"args": [], "kwargs": {}, "extra": 1}, {}, TypeError),
+        ("shop.effect", {"args": [], "kwargs": {}, "options": {"countdown": 5}}, {}, TypeError),
+        ("shop.effect", {"args": [1, 2, 3], "kwargs": {}}, {}, TypeError),
+        ("shop.effect", {"args": [], "kwargs": {"nope": 1}}, {}, TypeError),
+        ("shop.effect", {"args": [], "kwargs": {}}, {"n": 1}, ValueError),
+    ],
+)
+def test_a_message_no_worker_could_run_is_refused(
+    destination: str, payload: Any, headers: Any, error: type[Exception]
+) -> None:
+    import testproject.shop.tasks  # noqa: F401 - registers shop.effect, as a worker would
+    from testproject.celery import app
+
+    transport = CeleryTransport(app=app)
+
+    with pytest.raises(error):
+        transport.validate_message(destination, payload, headers)
+
+
+def test_a_message_a_worker_can_run_passes() -> None:
+    from testproject.celery import app
+
+    transport = CeleryTransport(app=app)
+
+    transport.validate_message(
+        "shop.effect",
+        {"args": [], "kwargs": {"event_id": "e-1"}, "options": {"queue": "q", "priority": 3}},
+        {"tenant": "acme"},
+    )
+    # A task this process does not know: only the envelope can be checked.
+    transport.validate_message("elsewhere.task", {"args": [1, 2, 3], "kwargs": {}}, {})
