@@ -453,3 +453,63 @@ def test_a_message_a_worker_can_run_passes() -> None:
     )
     # A task this process does not know: only the envelope can be checked.
     transport.validate_message("elsewhere.task", {"args": [1, 2, 3], "kwargs": {}}, {})
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("broker", sorted(BROKER_URLS))
+def test_sigterm_stops_a_relay_whose_broker_stopped_answering(broker: str, tmp_path: Path) -> None:
+    """The relay process, not just the transport: SIGTERM ends it while its broker is silent,
+    and the message it was sending is recorded as a failed attempt, to be sent again."""
+    if connection.vendor == "sqlite":
+        pytest.skip("the relay process and the test share no SQLite database here")
+    import os
+    import signal
+    import subprocess
+
+    from django_idempotency.models import OutboxEntry
+    from django_idempotency.outbox import core as outbox
+    from tests.outbox_helpers import celery_transports, start_relay, wait_for
+    from tests.workers import database_url
+
+    name = new_queue_name("frozen-relay")
+    with freezing_proxy(broker) as (proxy, url):
+        relay = start_relay(
+            "--poll-interval", "0.2", "--backoff", "30",
+            db_url=database_url(connection.settings_dict),
+            transports=celery_transports(url, timeout=1.0),
+            log=tmp_path / "relay.log",
+            broker_url=url,
+        )  # fmt: skip
+        try:
+            with transaction.atomic():
+                first = outbox.publish("shop.effect", queue=name)
+            rows = OutboxEntry.objects
+
+            wait_for(
+                lambda: rows.filter(event_id=first, state=OutboxEntry.State.SENT).exists(),
+                LIVENESS, "the first message sent", relay.output,
+            )  # fmt: skip
+            proxy.freeze()
+            with transaction.atomic():
+                second = outbox.publish("shop.effect", queue=name)
+            wait_for(
+                lambda: rows.filter(event_id=second, attempts__gte=1).exists(),
+                LIVENESS, "the second message claimed", relay.output,
+            )  # fmt: skip
+            os.kill(relay.process.pid, signal.SIGTERM)
+            try:
+                code = relay.wait(LIVENESS)
+            except subprocess.TimeoutExpired:
+                pytest.fail(
+                    f"the relay ignored SIGTERM, stuck on a silent broker\n{relay.output()}"
+                )
+        finally:
+            relay.stop(signal.SIGKILL)
+            delete_queue(BROKER_URLS[broker], name)
+
+    assert code == 0, relay.output()
+    row = rows.get(event_id=second)
+    assert row.state == OutboxEntry.State.PENDING
+    assert row.last_error  # the failed attempt was recorded: another relay sends it later
+    assert row.locked_until is None
