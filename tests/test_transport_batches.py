@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -90,9 +91,13 @@ def queue_length(broker_url: str, queue: str) -> int:
 # --- The message is send_task's ------------------------------------------------------------------
 
 
-def test_the_message_is_the_one_send_task_publishes(broker_url: str, queue: str) -> None:
+@pytest.mark.parametrize("args", [[], [1, "two", {"three": [4]}]], ids=["no-args", "args"])
+def test_the_message_is_the_one_send_task_publishes(
+    broker_url: str, queue: str, args: list[Any]
+) -> None:
     app = celery_app(broker_url)
     outgoing = message(queue, 7, key="k", priority=3, expires=600)
+    outgoing = dataclasses.replace(outgoing, payload={**outgoing.payload, "args": args})
     payload = outgoing.payload
     app.send_task(
         outgoing.destination,

@@ -414,11 +414,14 @@ class CeleryTransport:
         tags: dict[int, int] = {}
         declared: set[str] = set()
         app = self.app
+        settings = _AppSettings.read(app)
         for index in indexes:
             if call.held_back(index):
                 continue
             try:
-                name, task_message, options = self._task_message(app, call.messages[index])
+                name, task_message, options = self._task_message(
+                    app, settings, call.messages[index]
+                )
                 queue = options.get("queue")
                 queue_name = getattr(queue, "name", queue)
                 if queue_name is not None and queue_name in declared:
@@ -436,14 +439,17 @@ class CeleryTransport:
         return tags
 
     def _task_message(
-        self, app: Celery, message: OutboxMessage
+        self, app: Celery, settings: _AppSettings, message: OutboxMessage
     ) -> tuple[str, Any, dict[str, Any]]:
         """The task message ``send_task`` would build, and its publish options.
 
         The same steps as ``Celery.send_task``, for the options an outbox message may carry:
         the task's own options when it is registered here, the router, ``expires`` as the
-        broker's ``expiration``, ``create_task_message``.
+        broker's ``expiration``, ``create_task_message``. The app settings it reads are read
+        once per call (:class:`_AppSettings`): each read costs more than the rest of a message.
         """
+        from celery.utils.saferepr import saferepr
+
         args, kwargs, given = _envelope_parts(message.destination, message.payload)
         name = message.destination
         options: dict[str, Any] = {
@@ -474,10 +480,15 @@ class CeleryTransport:
             args,
             kwargs,
             expires=expires,
-            reply_to=app.thread_oid,
+            reply_to=settings.reply_to,
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
-            create_sent_event=app.conf.task_send_sent_event,
+            create_sent_event=settings.sent_event,
+            # What create_task_message computes itself, with the same settings, read once.
+            argsrepr=saferepr(args or (), settings.argsrepr_size, maxlevels=settings.repr_levels),
+            kwargsrepr=saferepr(
+                kwargs or {}, settings.kwargsrepr_size, maxlevels=settings.repr_levels
+            ),
             ignore_result=ignore_result,
             **options,
         )
@@ -549,6 +560,27 @@ def _envelope_parts(
             f"{log_text(repr(payload)[:200])}; write it with outbox.publish()."
         )
     return list(payload["args"]), dict(payload["kwargs"]), dict(payload.get("options") or {})
+
+
+@dataclass(frozen=True)
+class _AppSettings:
+    """The Celery settings a task message needs, read once per :meth:`CeleryTransport.send`."""
+
+    sent_event: bool
+    repr_levels: int
+    argsrepr_size: int
+    kwargsrepr_size: int
+    reply_to: str
+
+    @classmethod
+    def read(cls, app: Celery) -> _AppSettings:
+        return cls(
+            sent_event=bool(app.conf.task_send_sent_event),
+            repr_levels=app.conf.task_repr_maxlevels,
+            argsrepr_size=app.amqp.argsrepr_maxsize,
+            kwargsrepr_size=app.amqp.kwargsrepr_maxsize,
+            reply_to=app.thread_oid,
+        )
 
 
 class _Call:
