@@ -314,7 +314,7 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     for label, broker, options, compare, target in RELAY_PATHS:
-        row: dict[str, Any] = {"messages": count}
+        row: dict[str, Any] = {"messages": count, "old_per_second": "-"}
         if compare:
             row["old_per_second"] = round(drain(broker, options, old=True)[0])
         relay_rate, alone_rate = drain(broker, options, old=False)
@@ -339,7 +339,7 @@ def relay_chart(relay: dict[str, Any], out: Path) -> Path:
     labels = list(relay)
     fig, ax = plt.subplots(figsize=(9.5, 0.9 + 0.6 * len(labels)))
     ys = list(range(len(labels)))[::-1]
-    old = [row.get("old_per_second", 0) for row in relay.values()]
+    old = [row["old_per_second"] if row["old_per_second"] != "-" else 0 for row in relay.values()]
     new = [row["new_per_second"] for row in relay.values()]
     ax.barh([y + 0.2 for y in ys], old, height=0.4, color="#9aa5b1", label="one send_task each")
     ax.barh([y - 0.2 for y in ys], new, height=0.4, color="#2b6cb0", label="batched (now)")
@@ -459,9 +459,14 @@ def latency(count: int, rate: float, tmp: Path) -> dict[str, Any]:
 def table(title: str, rows: dict[str, dict[str, Any]]) -> str:
     columns = list(next(iter(rows.values())))
     width = max(len(row) for row in rows) + 2
-    lines = [f"\n{title}", " " * width + "".join(f"{c:>16}" for c in columns)]
+    sizes = [max(16, len(c) + 2) for c in columns]
+    lines = [
+        f"\n{title}",
+        " " * width + "".join(f"{c:>{n}}" for c, n in zip(columns, sizes, strict=True)),
+    ]
     for row, values in rows.items():
-        lines.append(f"{row:<{width}}" + "".join(f"{values[c]!s:>16}" for c in columns))
+        cells = "".join(f"{values[c]!s:>{n}}" for c, n in zip(columns, sizes, strict=True))
+        lines.append(f"{row:<{width}}" + cells)
     return "\n".join(lines)
 
 
