@@ -13,6 +13,12 @@ object with ``send`` and ``close``:
   transport must not send the later messages with that key in the same call and reports them
   failed too (the relay puts them back without counting an attempt).
 * ``close()`` releases connections; the relay calls it when it stops.
+* Optionally, ``validate_message(destination, payload, headers)`` raises ``TypeError`` or
+  ``ValueError`` for a message the transport could never send (a Celery payload that is not an
+  ``args``/``kwargs`` envelope the task takes, a topic name Kafka refuses), so that it is refused
+  when it is written instead of being retried until parked.
+* A send never blocks for good: a broker that stops answering fails the batch after the
+  transport's timeout, well inside the relay's lease, so SIGTERM and lease expiry work.
 
 Transports are configured by name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``::
 
@@ -28,6 +34,10 @@ Transports are configured by name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``::
 
 Each is built once per process as ``BACKEND(**OPTIONS)`` (:func:`get_transport`). A message names
 its transport when it is written (``outbox.send(..., transport="kafka")``; default ``"default"``).
+
+Why this module is long: the Celery transport builds the task messages ``send_task`` would, and
+publishes a batch at once in three broker modes (a Redis pipeline, RabbitMQ confirms waited for
+per batch, AMQP transactions) that share the same per-key failure rule and timeouts.
 """
 
 from __future__ import annotations
