@@ -327,6 +327,57 @@ def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
     return results
 
 
+def kafka_throughput(count: int, batch_size: int) -> dict[str, Any]:
+    """``KafkaTransport`` alone on librdkafka's mock cluster (or ``KAFKA_BOOTSTRAP_SERVERS``):
+    batches of ``batch_size`` over 100 ordering keys, so one batch is sent in a few rounds, each
+    produced at once and flushed once. Messages per second."""
+    import uuid
+
+    from django.utils import timezone
+
+    from django_idempotency.kafka.transport import KafkaTransport
+    from django_idempotency.outbox.transports import OutboxMessage
+    from tests.kafka_cluster import Cluster
+
+    cluster = Cluster()
+    try:
+        topic = cluster.new_topic("bench-outbox")
+        now = timezone.now()
+        messages = [
+            OutboxMessage(
+                id=n,
+                event_id=str(uuid.uuid4()),
+                destination=topic,
+                payload={"n": n},
+                headers={},
+                ordering_key=f"k{n % 100}",
+                created_at=now,
+                attempts=1,
+            )
+            for n in range(count)
+        ]
+        transport = KafkaTransport({"bootstrap.servers": cluster.bootstrap})
+        transport.send(messages[:10])  # connected, topic known
+        started = time.perf_counter()
+        outcomes = [
+            outcome
+            for start in range(0, count, batch_size)
+            for outcome in transport.send(messages[start : start + batch_size])
+        ]
+        seconds = time.perf_counter() - started
+        transport.close()
+    finally:
+        cluster.close()
+    assert all(outcome is None for outcome in outcomes), outcomes[:3]
+    return {
+        "KafkaTransport alone (mock cluster, 100 keys)": {
+            "messages": count,
+            "seconds": round(seconds, 2),
+            "per_second": round(count / seconds),
+        }
+    }
+
+
 def relay_chart(relay: dict[str, Any], out: Path) -> Path:
     """Messages per second per path, old and new side by side, the target as a red mark."""
     import matplotlib
@@ -485,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="latency: commits per second; low enough that the relay idles between them",
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default="publish,relay,latency")
+    parser.add_argument("--only", default="publish,relay,kafka,latency")
     parser.add_argument(
         "--charts", default="", help="a folder for the relay chart (outbox-relay.svg); empty: none"
     )
@@ -505,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["publish"] = publish_cost(args.transactions, args.rounds)
         if "relay" in sections:
             results["relay"] = relay_throughput(args.messages, args.batch_size)
+        if "kafka" in sections:
+            results["kafka"] = kafka_throughput(args.messages, args.batch_size)
         if "latency" in sections:
             results["latency"] = latency(args.latency_messages, args.rate, Path(tmp))
     print(json.dumps(results, indent=2))
@@ -514,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     titles = {
         "publish": "What a transaction costs (one Order insert, then the event)",
         "relay": f"Relay throughput (one relay, batches of {args.batch_size})",
+        "kafka": f"Kafka transport throughput (batches of {args.batch_size})",
         "latency": f"COMMIT to effect (a Celery worker, {args.rate:g} commits/s)",
     }
     for name, title in titles.items():

@@ -50,7 +50,7 @@ status=0
 # with Redis and RabbitMQ; skipped with BENCH_OUTBOX=0.
 if [ "${BENCH_OUTBOX:-1}" != 0 ]; then
   pg="${BENCH_PG_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
-  outbox=(--only relay --database-url "${pg%/*}/idempotency_bench_outbox"
+  outbox=(--only relay,kafka --database-url "${pg%/*}/idempotency_bench_outbox"
           --output bench/results/outbox.json --charts docs/assets/benchmarks)
   for arg in "$@"; do if [ "$arg" = --quick ]; then outbox+=(--quick); fi; done
   "$venv/bin/python" -m bench.outbox "${outbox[@]}" || status=$?
