@@ -207,18 +207,19 @@ class CeleryTransport:
     A whole call goes to the broker at once, and counts as sent only once the broker has it:
 
     * **RabbitMQ** (default): publisher confirms for the whole batch. Every message is
-      published, then the transport waits for all the confirms, at most ``timeout`` seconds. A
+      published, then the transport waits for all the confirms (at most ``timeout`` seconds). A
       message is reported sent only after its confirm; a nack, or no confirm in time, reports it
       failed. Messages of one ordering key go in rounds (round ``n`` holds the ``n``-th message
       of each key), each round waiting for its confirms, so a message is never published before
-      the earlier ones of its key were confirmed. ``transactions=True`` publishes the batch in
+      the earlier ones of its key were confirmed: a batch costs as many round trips as its most
+      frequent key has messages (one when no key repeats). ``transactions=True`` publishes the batch in
       one AMQP transaction instead and counts it sent when ``tx.commit`` returns.
     * **Redis**: one pipeline per batch (kombu's ``Producer.batch``), counted sent once Redis has
       answered it; a failed flush reports every message of the call failed. A message survives a
       Redis restart only with ``appendonly yes``.
 
     No broker call waits longer than ``timeout`` seconds (socket reads and writes, the connection
-    handshake, the wait for confirms), so a broker that stops answering without closing the
+    handshake, the wait for a round's confirms), so a broker that stops answering without closing the
     connection fails the batch instead of holding the relay past its lease, and SIGTERM stops
     the relay after that batch. Keep the relay's lease above a few times ``timeout``.
     Publishing never retries inside the transport (``retry=False``): the relay retries with
@@ -360,9 +361,13 @@ class CeleryTransport:
             else:
                 self._send_batch(producer, call)
         except Exception as exc:  # noqa: BLE001 - the batch's flush, commit or wait failed
-            # None of the batch is known to have reached the broker: all of it is retried.
+            # Only messages the broker confirmed in an earlier round are known to be there: the
+            # rest of the batch is retried.
             self.close(broken=True)
-            return [exc] * len(messages)
+            return [
+                call.results[index] if index in call.confirmed else exc
+                for index in range(len(messages))
+            ]
         return call.results
 
     def _send_batch(self, producer: Any, call: _Call) -> None:
@@ -389,15 +394,16 @@ class CeleryTransport:
         """RabbitMQ with confirms: publish a round, wait for all its confirms, then the next.
 
         A round holds at most one message per ordering key, so a message is published only
-        after the earlier ones of its key were confirmed. When the confirms do not all come
-        before the deadline (or the connection fails while waiting), the unconfirmed messages
-        and every later one fail, and the connection is dropped; confirmed ones stay sent.
+        after the earlier ones of its key were confirmed (a batch of keys that do not repeat is
+        one round). When a round's confirms do not all come within ``timeout`` (or the
+        connection fails while waiting), its unconfirmed messages and every later one fail, and
+        the connection is dropped; confirmed ones stay sent.
         """
-        deadline = time.monotonic() + self.timeout
         for indexes in send_rounds(call.messages):
             tags = self._publish_all(producer, call, indexes, confirms)
             if not tags:
                 continue
+            deadline = time.monotonic() + self.timeout
             outcomes, error = confirms.wait(tags, self._connection, deadline)
             for index, outcome in outcomes.items():
                 call.fail(index, outcome)
