@@ -518,3 +518,14 @@ def test_sigterm_stops_a_relay_whose_broker_stopped_answering(broker: str, tmp_p
     assert row.state == OutboxEntry.State.PENDING
     assert row.last_error  # the failed attempt was recorded: another relay sends it later
     assert row.locked_until is None
+
+
+def test_a_relay_lease_bounds_the_timeouts() -> None:
+    transport = CeleryTransport(timeout=10, connect_timeout=5)
+
+    transport.limit_to_lease(60)
+    assert (transport.timeout, transport.connect_timeout) == (10, 5)  # already well inside
+    transport.limit_to_lease(8)
+    assert (transport.timeout, transport.connect_timeout) == (2, 2)
+    with pytest.raises(ValueError, match="lease"):
+        transport.limit_to_lease(0)

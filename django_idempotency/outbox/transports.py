@@ -212,16 +212,17 @@ class CeleryTransport:
       failed. Messages of one ordering key go in rounds (round ``n`` holds the ``n``-th message
       of each key), each round waiting for its confirms, so a message is never published before
       the earlier ones of its key were confirmed: a batch costs as many round trips as its most
-      frequent key has messages (one when no key repeats). ``transactions=True`` publishes the batch in
-      one AMQP transaction instead and counts it sent when ``tx.commit`` returns.
+      frequent key has messages (one when no key repeats). ``transactions=True`` publishes the
+      batch in one AMQP transaction instead and counts it sent when ``tx.commit`` returns.
     * **Redis**: one pipeline per batch (kombu's ``Producer.batch``), counted sent once Redis has
       answered it; a failed flush reports every message of the call failed. A message survives a
       Redis restart only with ``appendonly yes``.
 
-    No broker call waits longer than ``timeout`` seconds (socket reads and writes, the connection
-    handshake, the wait for a round's confirms), so a broker that stops answering without closing the
-    connection fails the batch instead of holding the relay past its lease, and SIGTERM stops
-    the relay after that batch. Keep the relay's lease above a few times ``timeout``.
+    No broker call waits longer than ``timeout`` seconds (socket reads and writes, the
+    connection handshake, the wait for a round's confirms), so a broker that stops answering
+    without closing the connection fails the batch instead of holding the relay past its lease,
+    and SIGTERM stops the relay after that batch. Keep the relay's lease above a few times
+    ``timeout``; a relay may call :meth:`limit_to_lease` to make sure.
     Publishing never retries inside the transport (``retry=False``): the relay retries with
     backoff.
 
@@ -273,6 +274,22 @@ class CeleryTransport:
         if isinstance(self._app_spec, str):
             self._app_spec = import_string(self._app_spec)
         return self._app_spec  # type: ignore[return-value]
+
+    def limit_to_lease(self, lease: float) -> None:
+        """Keep every broker call within a quarter of the relay's ``lease`` (seconds).
+
+        A batch makes at most a few calls that may each wait ``timeout`` (connect, publish, the
+        confirms), so with this the relay records a silent broker's batch as failed before its
+        lease runs out and another relay sends it again. An optional transport method: a relay
+        that knows its lease may call it once, before the first send.
+        """
+        limit = float(lease) / 4
+        if limit <= 0:
+            raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
+        if self.timeout > limit or self.connect_timeout > limit:
+            self.timeout = min(self.timeout, limit)
+            self.connect_timeout = min(self.connect_timeout, limit)
+            self.close()  # the next send connects with the new timeouts
 
     # --- Validation -------------------------------------------------------------------------
 
