@@ -199,10 +199,12 @@ class CrashingTransport(CeleryTransport):
 class TimedTransport(CeleryTransport):
     """Logs, per message sent, when its publish started and when the broker acknowledged it.
 
-    The transport publishes a batch in rounds (one message per ordering key each; one round
-    for a Redis pipeline), and a round starts only once the previous one was acknowledged. So a
-    message's start is its round's start, and its acknowledgement the next round's start (or
-    the end of the call): the earliest moments the proof may assume.
+    With RabbitMQ confirms the transport publishes a batch in rounds (one message per ordering
+    key each), and a round starts only once the previous one was confirmed. So a message's start
+    is its round's start, and its acknowledgement the next round's start (or the end of the
+    call). A Redis pipeline (or an AMQP transaction) sends nothing until it is executed (or
+    committed), in order, at the end of the call: that moment is both the start and the
+    acknowledgement of each of its messages.
     """
 
     def __init__(self, *, log: str, **options: Any) -> None:
@@ -216,6 +218,10 @@ class TimedTransport(CeleryTransport):
         self._started, self._acked, self._in_flight = {}, {}, []
         results = super().send(messages)
         self._stamp_acked()
+        if self._confirms is None and self._connection is not None:  # one pipeline or commit
+            now = time.time_ns()
+            self._started = dict.fromkeys(self._started, now)
+            self._acked = dict.fromkeys(self._acked, now)
         with open(self.log, "a") as out:
             for index, (message, result) in enumerate(zip(messages, results, strict=True)):
                 if result is None:
