@@ -529,3 +529,33 @@ def test_a_relay_lease_bounds_the_timeouts() -> None:
     assert (transport.timeout, transport.connect_timeout) == (2, 2)
     with pytest.raises(ValueError, match="lease"):
         transport.limit_to_lease(0)
+
+
+def test_the_routes_and_the_task_s_options_apply_as_with_send_task(
+    broker_url: str, queue: str
+) -> None:
+    app = celery_app(broker_url)
+    app.conf.task_default_queue = queue  # where a message that ignored the task's queue lands
+    own = f"{queue}-own"
+    app.conf.task_routes = {"batches.routed": {"queue": own, "priority": 4}}
+
+    @app.task(name="batches.routed", time_limit=30, soft_time_limit=20, shared=False)
+    def routed(n: int) -> None:  # pragma: no cover - never run: the queue is read directly
+        pass
+
+    app.finalize()
+    outgoing = dataclasses.replace(
+        message(queue, 1), destination="batches.routed", payload={"args": [1], "kwargs": {}}
+    )
+    try:
+        app.send_task("batches.routed", args=[1], task_id=outgoing.event_id, retry=False)
+        transport = CeleryTransport(app=app)
+        assert transport.send([outgoing]) == [None]
+        transport.close()
+
+        by_send_task, by_transport = drain(broker_url, own, 2)  # both in the task's own queue
+    finally:
+        delete_queue(broker_url, own)
+    assert by_transport.headers["task"] == by_send_task.headers["task"] == "batches.routed"
+    assert by_transport.properties.get("priority") == by_send_task.properties.get("priority")
+    assert by_transport.headers["timelimit"] == by_send_task.headers["timelimit"] == [30, 20]

@@ -309,7 +309,10 @@ class CeleryTransport:
             raise ValueError("Celery message headers must map strings to strings.")
         args, kwargs, options = _envelope_parts(destination, payload)
         celery_envelope(args, kwargs, options)  # unknown options raise TypeError
-        task = self.app.tasks.get(destination)
+        try:
+            task = self.app.tasks.get(destination)
+        except RuntimeError:  # an app with autofinalize=False, not finalized: no registry yet
+            task = None
         if task is not None and getattr(task, "typing", False):
             check = getattr(task, "__header__", None)
             if check is not None:
@@ -489,7 +492,9 @@ class CeleryTransport:
             "headers": {**message.headers, EVENT_ID_KEY: message.event_id},
             **given,
         }
-        task = app.tasks.get(name)
+        # The registry as send_task reads it: without finalizing the app.
+        registry: Any = getattr(app, "_tasks", None)
+        task = registry.get(name) if registry is not None else None
         exec_options = getattr(task, "_get_exec_options", None) if task is not None else None
         if exec_options is not None:
             defaults = {k: v for k, v in exec_options().items() if v is not None}
