@@ -12,10 +12,13 @@ Three sections, each measured side by side in one run:
    with ``outbox.publish`` (one more row in the transaction). Rows alternate round by round;
    time per transaction and statements per transaction.
 2. **relay throughput**: ``Relay.drain()`` over N pending messages, through a transport that
-   acknowledges at once (the database's share alone), through Celery to Redis (one pipeline per
-   batch), and to RabbitMQ with publisher confirms (one round trip per message) or with one AMQP
-   transaction per batch; and the Celery transports alone on the same messages, in the same
-   batches (the broker's share alone). Messages per second.
+   acknowledges at once (the database's share alone), through Celery to Redis and to RabbitMQ
+   with publisher confirms, old path and new side by side: one ``send_task`` per message (and
+   one confirm round trip each on RabbitMQ) against today's ``CeleryTransport`` (one pipeline
+   per batch; all of a batch's confirms waited for at once), and with one AMQP transaction per
+   batch; and the new transport alone on the same messages, in the same batches (the broker's
+   share alone). Messages per second, against the targets (5,000 and 2,000), and a chart with
+   ``--charts DIR``.
 3. **latency**: a relay process and a Celery worker; a producer commits messages at a steady
    rate; the time from each COMMIT to its effect's row, p50 and p99, with NOTIFY (PostgreSQL)
    and with polling alone (one-second poll), against ``apply_async_on_commit``.
@@ -213,59 +216,199 @@ def vacuum() -> None:
             cursor.fetchall()
 
 
+class SendTaskTransport:
+    """The previous ``CeleryTransport``, kept here to measure against: one ``send_task`` per
+    message (inside kombu's ``Producer.batch`` on Redis) and, on RabbitMQ, a publisher confirm
+    waited for after each message (py-amqp's ``confirm_publish``)."""
+
+    def __init__(self, app: Any, broker_url: str) -> None:
+        self.app = app
+        self.broker_url = broker_url
+        self.connection: Any = None
+
+    def send(self, messages: Sequence[Any]) -> list[BaseException | None]:
+        from django_idempotency.events.core import EVENT_ID_KEY
+
+        if self.connection is None:
+            self.connection = self.app.connection_for_write(
+                self.broker_url, transport_options={"confirm_publish": True}
+            )
+            self.connection.ensure_connection(max_retries=1)
+            self.producer = self.app.amqp.Producer(self.connection)
+        results: list[BaseException | None] = []
+        with self.producer.batch(max_size=4 * len(messages) + 16):
+            for message in messages:
+                payload = message.payload
+                self.app.send_task(
+                    message.destination,
+                    args=list(payload["args"]),
+                    kwargs=dict(payload["kwargs"]),
+                    task_id=message.event_id,
+                    headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                    producer=self.producer,
+                    retry=False,
+                    **dict(payload.get("options") or {}),
+                )
+                results.append(None)
+        return results
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.release()
+            self.connection = None
+
+
+RELAY_PATHS: list[tuple[str, str | None, dict[str, Any], bool, int | None]] = [
+    # label, broker (None: no broker), CeleryTransport options, old path to compare, target msg/s
+    ("null transport (the database's share)", None, {}, False, None),
+    ("Celery to Redis", REDIS, {}, True, 5000),
+    ("Celery to RabbitMQ, publisher confirms", RABBITMQ, {}, True, 2000),
+    ("Celery to RabbitMQ, AMQP transactions", RABBITMQ, {"transactions": True}, False, None),
+]
+
+
 def relay_throughput(count: int, batch_size: int) -> dict[str, Any]:
+    """Each path's messages per second through ``Relay.drain()``, old path and new side by side
+    (the old one is :class:`SendTaskTransport`), and the new transport alone on the same
+    messages in the same batches (the broker's share)."""
     from django_idempotency.models import OutboxEntry
     from django_idempotency.outbox.relay import Relay
     from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
     from testproject.celery import app
 
-    results: dict[str, Any] = {}
-    rows: list[tuple[str, str | None, dict[str, Any]]] = [
-        ("relay, null transport (database only)", None, {}),
-        ("relay, Celery to Redis (pipelined)", REDIS, {}),
-        ("relay, Celery to RabbitMQ (confirms)", RABBITMQ, {}),
-        ("relay, Celery to RabbitMQ (transactions)", RABBITMQ, {"transactions": True}),
-    ]
-    for label, broker, options in rows:
+    def transport_for(broker: str | None, options: dict[str, Any], old: bool) -> Any:
+        if broker is None:
+            return NullTransport()
+        if old:
+            return SendTaskTransport(app, broker)
+        return CeleryTransport(app=app, broker_url=broker, **options)
+
+    def drain(broker: str | None, options: dict[str, Any], old: bool) -> tuple[float, float]:
+        """Messages per second through the relay, and through the transport alone (0: not
+        measured)."""
         with queue(broker or REDIS, "bench-relay") as name:
             fill(count, name)
-            transport: Any = (
-                NullTransport()
-                if broker is None
-                else CeleryTransport(app=app, broker_url=broker, **options)
-            )
+            transport = transport_for(broker, options, old)
             relay = Relay(batch_size=batch_size, transports={"default": transport})
             started = time.perf_counter()
             total = relay.drain()
             seconds = time.perf_counter() - started
             transport.close()
             assert total.sent == count, total
-            results[label] = {
-                "messages": count,
-                "seconds": round(seconds, 2),
-                "per_second": round(count / seconds),
-            }
-            if broker is not None:
-                # The same messages through the transport alone: the broker's share.
+            alone = 0.0
+            if broker is not None and not old:
                 rows_sent = OutboxEntry.objects.order_by("pk")
                 messages = [OutboxMessage.from_entry(row) for row in rows_sent]
-                alone = CeleryTransport(app=app, broker_url=broker, **options)
+                transport = transport_for(broker, options, old)
                 started = time.perf_counter()
                 outcomes = [
                     outcome
                     for start in range(0, len(messages), batch_size)
-                    for outcome in alone.send(messages[start : start + batch_size])
+                    for outcome in transport.send(messages[start : start + batch_size])
                 ]
-                seconds = time.perf_counter() - started
-                alone.close()
-                assert all(outcome is None for outcome in outcomes)
-                results[label.replace("relay, ", "transport alone, ")] = {
-                    "messages": count,
-                    "seconds": round(seconds, 2),
-                    "per_second": round(count / seconds),
-                }
+                alone = time.perf_counter() - started
+                transport.close()
+                assert all(outcome is None for outcome in outcomes), outcomes[:3]
         clear()
+        return count / seconds, (count / alone if alone else 0.0)
+
+    results: dict[str, Any] = {}
+    for label, broker, options, compare, target in RELAY_PATHS:
+        row: dict[str, Any] = {"messages": count, "old_per_second": "-"}
+        if compare:
+            row["old_per_second"] = round(drain(broker, options, old=True)[0])
+        relay_rate, alone_rate = drain(broker, options, old=False)
+        row["new_per_second"] = round(relay_rate)
+        row["speedup"] = f"{relay_rate / row['old_per_second']:.1f}x" if compare else "-"
+        row["transport_alone_per_second"] = round(alone_rate) if alone_rate else "-"
+        row["target"] = target or "-"
+        row["met"] = ("yes" if relay_rate >= target else "no") if target else "-"
+        results[label] = row
     return results
+
+
+def kafka_throughput(count: int, batch_size: int) -> dict[str, Any]:
+    """``KafkaTransport`` alone on librdkafka's mock cluster (or ``KAFKA_BOOTSTRAP_SERVERS``):
+    batches of ``batch_size`` over 100 ordering keys, so one batch is sent in a few rounds, each
+    produced at once and flushed once. Messages per second."""
+    import uuid
+
+    from django.utils import timezone
+
+    from django_idempotency.kafka.transport import KafkaTransport
+    from django_idempotency.outbox.transports import OutboxMessage
+    from tests.kafka_cluster import Cluster
+
+    cluster = Cluster()
+    try:
+        topic = cluster.new_topic("bench-outbox")
+        now = timezone.now()
+        messages = [
+            OutboxMessage(
+                id=n,
+                event_id=str(uuid.uuid4()),
+                destination=topic,
+                payload={"n": n},
+                headers={},
+                ordering_key=f"k{n % 100}",
+                created_at=now,
+                attempts=1,
+            )
+            for n in range(count)
+        ]
+        transport = KafkaTransport({"bootstrap.servers": cluster.bootstrap})
+        transport.send(messages[:10])  # connected, topic known
+        started = time.perf_counter()
+        outcomes = [
+            outcome
+            for start in range(0, count, batch_size)
+            for outcome in transport.send(messages[start : start + batch_size])
+        ]
+        seconds = time.perf_counter() - started
+        transport.close()
+    finally:
+        cluster.close()
+    assert all(outcome is None for outcome in outcomes), outcomes[:3]
+    return {
+        "KafkaTransport alone (mock cluster, 100 keys)": {
+            "messages": count,
+            "seconds": round(seconds, 2),
+            "per_second": round(count / seconds),
+        }
+    }
+
+
+def relay_chart(relay: dict[str, Any], out: Path) -> Path:
+    """Messages per second per path, old and new side by side, the target as a red mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    matplotlib.rcParams["svg.hashsalt"] = "django-idempotency"
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    labels = list(relay)
+    fig, ax = plt.subplots(figsize=(9.5, 0.9 + 0.6 * len(labels)))
+    ys = list(range(len(labels)))[::-1]
+    old = [row["old_per_second"] if row["old_per_second"] != "-" else 0 for row in relay.values()]
+    new = [row["new_per_second"] for row in relay.values()]
+    ax.barh([y + 0.2 for y in ys], old, height=0.4, color="#9aa5b1", label="one send_task each")
+    ax.barh([y - 0.2 for y in ys], new, height=0.4, color="#2b6cb0", label="batched (now)")
+    for y, row in zip(ys, relay.values(), strict=True):
+        ax.text(row["new_per_second"], y - 0.2, f" {row['new_per_second']:,}", va="center",
+                fontsize=8)  # fmt: skip
+        if isinstance(row["target"], int):
+            ax.plot([row["target"]] * 2, [y - 0.45, y + 0.45], color="#c53030", linewidth=1.5)
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set_xlabel("messages per second, one relay (higher is better; red: the target)", fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("Outbox relay throughput", fontsize=10)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "outbox-relay.svg"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 # --- 3. Latency from COMMIT to effect ----------------------------------------------------------
@@ -367,9 +510,14 @@ def latency(count: int, rate: float, tmp: Path) -> dict[str, Any]:
 def table(title: str, rows: dict[str, dict[str, Any]]) -> str:
     columns = list(next(iter(rows.values())))
     width = max(len(row) for row in rows) + 2
-    lines = [f"\n{title}", " " * width + "".join(f"{c:>16}" for c in columns)]
+    sizes = [max(16, len(c) + 2) for c in columns]
+    lines = [
+        f"\n{title}",
+        " " * width + "".join(f"{c:>{n}}" for c, n in zip(columns, sizes, strict=True)),
+    ]
     for row, values in rows.items():
-        lines.append(f"{row:<{width}}" + "".join(f"{values[c]!s:>16}" for c in columns))
+        cells = "".join(f"{values[c]!s:>{n}}" for c, n in zip(columns, sizes, strict=True))
+        lines.append(f"{row:<{width}}" + cells)
     return "\n".join(lines)
 
 
@@ -388,7 +536,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="latency: commits per second; low enough that the relay idles between them",
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default="publish,relay,latency")
+    parser.add_argument("--only", default="publish,relay,kafka,latency")
+    parser.add_argument(
+        "--charts", default="", help="a folder for the relay chart (outbox-relay.svg); empty: none"
+    )
+    parser.add_argument("--output", default="", help="also write the JSON document here")
     args = parser.parse_args(argv)
     if args.quick:
         args.transactions, args.rounds, args.messages, args.latency_messages = 60, 2, 500, 20
@@ -404,17 +556,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             results["publish"] = publish_cost(args.transactions, args.rounds)
         if "relay" in sections:
             results["relay"] = relay_throughput(args.messages, args.batch_size)
+        if "kafka" in sections:
+            results["kafka"] = kafka_throughput(args.messages, args.batch_size)
         if "latency" in sections:
             results["latency"] = latency(args.latency_messages, args.rate, Path(tmp))
     print(json.dumps(results, indent=2))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
     titles = {
         "publish": "What a transaction costs (one Order insert, then the event)",
         "relay": f"Relay throughput (one relay, batches of {args.batch_size})",
+        "kafka": f"Kafka transport throughput (batches of {args.batch_size})",
         "latency": f"COMMIT to effect (a Celery worker, {args.rate:g} commits/s)",
     }
     for name, title in titles.items():
         if name in results:
             print(table(f"{title} [{connection.vendor}]", results[name]))
+    if args.charts and "relay" in results:
+        print(f"\nchart: {relay_chart(results['relay'], Path(args.charts))}")
     return 0
 
 

@@ -10,7 +10,8 @@
 # bench/results/results.json. Redis (127.0.0.1:6379, database 13) backs django-idempotency-key.
 #
 # Environment: BENCH_PG_URL (default postgres://postgres@127.0.0.1:5432/postgres),
-#              BENCH_REDIS_URL (default redis://127.0.0.1:6379/13), PYTHON (default python3).
+#              BENCH_REDIS_URL (default redis://127.0.0.1:6379/13), PYTHON (default python3),
+#              BENCH_OUTBOX=0 to leave out the outbox relay's throughput (bench/outbox.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -45,5 +46,14 @@ if ! scripts/pgbouncer.sh status >/dev/null 2>&1; then
 fi
 status=0
 "$venv/bin/python" -m bench "$@" || status=$?
+# The outbox relay's throughput, old path and new side by side (bench/outbox.py), on PostgreSQL
+# with Redis and RabbitMQ; skipped with BENCH_OUTBOX=0.
+if [ "${BENCH_OUTBOX:-1}" != 0 ]; then
+  pg="${BENCH_PG_URL:-postgres://postgres@127.0.0.1:5432/postgres}"
+  outbox=(--only relay,kafka --database-url "${pg%/*}/idempotency_bench_outbox"
+          --output bench/results/outbox.json --charts docs/assets/benchmarks)
+  for arg in "$@"; do if [ "$arg" = --quick ]; then outbox+=(--quick); fi; done
+  "$venv/bin/python" -m bench.outbox "${outbox[@]}" || status=$?
+fi
 if [ "$started_pgbouncer" = 1 ]; then scripts/pgbouncer.sh stop; fi
 exit "$status"

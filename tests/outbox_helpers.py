@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
+from django_idempotency.outbox.transports import CeleryTransport
 
 REPO = Path(__file__).resolve().parent.parent
 CELERY_BACKEND = "django_idempotency.outbox.transports.CeleryTransport"
@@ -197,17 +197,51 @@ class CrashingTransport(CeleryTransport):
 
 
 class TimedTransport(CeleryTransport):
-    """Logs, per message, when its publish started and when the broker acknowledged it."""
+    """Logs, per message sent, when its publish started and when the broker acknowledged it.
+
+    With RabbitMQ confirms the transport publishes a batch in rounds (one message per ordering
+    key each), and a round starts only once the previous one was confirmed. So a message's start
+    is its round's start, and its acknowledgement the next round's start (or the end of the
+    call). A Redis pipeline (or an AMQP transaction) sends nothing until it is executed (or
+    committed), in order, at the end of the call: that moment is both the start and the
+    acknowledgement of each of its messages.
+    """
 
     def __init__(self, *, log: str, **options: Any) -> None:
         super().__init__(**options)
         self.log = log
+        self._started: dict[int, int] = {}
+        self._acked: dict[int, int] = {}
+        self._in_flight: list[int] = []
 
-    def _publish(self, message: OutboxMessage) -> None:
-        started = time.time_ns()
-        super()._publish(message)
-        acked = time.time_ns()
-        kwargs = message.payload["kwargs"]
-        line = json.dumps([kwargs["key"], kwargs["seq"], started, acked, os.getpid()])
+    def send(self, messages: Any) -> list[BaseException | None]:
+        self._started, self._acked, self._in_flight = {}, {}, []
+        results = super().send(messages)
+        self._stamp_acked()
+        if self._confirms is None and self._connection is not None:  # one pipeline or commit
+            now = time.time_ns()
+            self._started = dict.fromkeys(self._started, now)
+            self._acked = dict.fromkeys(self._acked, now)
         with open(self.log, "a") as out:
-            out.write(line + "\n")
+            for index, (message, result) in enumerate(zip(messages, results, strict=True)):
+                if result is None:
+                    kwargs = message.payload["kwargs"]
+                    line = [kwargs["key"], kwargs["seq"], self._started[index]]
+                    out.write(json.dumps([*line, self._acked[index], os.getpid()]) + "\n")
+        return results
+
+    def _publish_all(self, producer: Any, call: Any, indexes: Any, confirms: Any = None) -> Any:
+        self._stamp_acked()
+        indexes = list(indexes)
+        started = time.time_ns()
+        for index in indexes:
+            self._started.setdefault(index, started)
+        tags = super()._publish_all(producer, call, indexes, confirms)
+        self._in_flight = indexes
+        return tags
+
+    def _stamp_acked(self) -> None:
+        now = time.time_ns()
+        for index in self._in_flight:
+            self._acked[index] = now
+        self._in_flight = []

@@ -39,4 +39,9 @@ def test_outbox_benchmark_runs(tmp_path: Path) -> None:
     assert figures["publish"]["order + outbox.publish"]["statements"] == (
         figures["publish"]["order alone"]["statements"] + 1
     )
-    assert all(row["messages"] == 500 for row in figures["relay"].values())
+    relay = figures["relay"]
+    assert all(row["messages"] == 500 for row in relay.values())
+    # The old path and the batched one, side by side, for the two paths with a target.
+    for path in ("Celery to Redis", "Celery to RabbitMQ, publisher confirms"):
+        assert relay[path]["old_per_second"] > 0 and relay[path]["new_per_second"] > 0
+        assert relay[path]["met"] in ("yes", "no")

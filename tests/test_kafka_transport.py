@@ -18,7 +18,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 pytest.importorskip("confluent_kafka")
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, Producer
 
 from django_idempotency.kafka.transport import KafkaTransport
 from django_idempotency.outbox.transports import OutboxMessage, Transport
@@ -121,3 +121,53 @@ def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
 def test_a_weaker_producer_is_refused(config: dict[str, Any], text: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=text):
         KafkaTransport(config)
+
+
+class EarlyFlush(Producer):
+    """A producer whose ``flush`` returns at once, before any delivery report is served."""
+
+    def flush(self, *args: Any, **kwargs: Any) -> int:
+        return len(self)
+
+
+class EarlyFlushTransport(KafkaTransport):
+    producer_factory = EarlyFlush
+
+
+def test_a_message_without_a_delivery_report_is_an_error(kafka_cluster: Cluster) -> None:
+    topic = kafka_cluster.new_topic("transport-no-report")
+    transport = EarlyFlushTransport({"bootstrap.servers": kafka_cluster.bootstrap}, timeout=2)
+    messages = [outgoing(topic, {"n": n}, "a" if n % 2 else None) for n in range(4)]
+
+    results = transport.send(messages)
+    transport.close()
+
+    assert all(isinstance(result, TimeoutError) for result in results), results
+
+
+@pytest.mark.parametrize(
+    ("destination", "payload", "headers", "error"),
+    [
+        ("", {}, {}, ValueError),
+        ("a" * 250, {}, {}, ValueError),
+        ("..", {}, {}, ValueError),
+        ("orders events", {}, {}, ValueError),
+        ("orders\n", {}, {}, ValueError),
+        ("orders", {"at": object()}, {}, TypeError),
+        ("orders", {"x": float("nan")}, {}, ValueError),
+        ("orders", {}, {"n": 1}, TypeError),
+    ],
+)
+def test_a_message_kafka_can_never_take_is_refused(
+    destination: str, payload: Any, headers: Any, error: type[Exception]
+) -> None:
+    transport = KafkaTransport({"bootstrap.servers": "127.0.0.1:1"})
+
+    with pytest.raises(error):
+        transport.validate_message(destination, payload, headers)
+
+
+def test_a_valid_kafka_message_passes() -> None:
+    transport = KafkaTransport({"bootstrap.servers": "127.0.0.1:1"})
+
+    transport.validate_message("shop.orders-v1_x", {"n": [1, "é"]}, {"traceparent": "00"})

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.exceptions import ImproperlyConfigured
 
 from django_idempotency.events.ids import EVENT_ID_KEY
+from django_idempotency.exceptions import log_text
 from django_idempotency.extras import missing_extra
 
 try:
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KafkaTransport"]
 
+TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+"""What Kafka accepts as a topic name (``org.apache.kafka.common.internals.Topic``)."""
+
 
 class KafkaTransport:
     """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
@@ -37,10 +42,12 @@ class KafkaTransport:
     partitions by a hash of the key (``murmur2_random``, the Java client's partitioner), so one
     key's messages share a partition and keep their order.
 
-    Within one :meth:`send`, the messages of one ordering key go out one at a time, each after
-    the previous one was acknowledged: after a failure the later ones of that key are not sent
-    and are reported failed. Messages of different keys, and messages without one, go out
-    together.
+    Within one :meth:`send`, the messages go out in rounds: round ``n`` holds the ``n``-th
+    message of each ordering key (and round 0 every message without a key). A round is produced
+    at once and flushed once, in librdkafka's batches, so a batch whose keys do not repeat
+    costs one flush. A message is produced only after the earlier ones of its key were
+    acknowledged; after a failure the later ones of that key are not sent and are reported
+    failed. A message with no delivery report when the flush returns counts as failed.
 
     :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
         idempotence and ``acks`` cannot be weakened.
@@ -65,6 +72,32 @@ class KafkaTransport:
         }
         self._producer: Producer | None = None
 
+    producer_factory: ClassVar[Callable[[dict[str, Any]], Producer]] = Producer
+    """Builds the producer from the configuration (a test may give one of its own)."""
+
+    def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
+        """Refuse a message Kafka can never take (called when it is written).
+
+        :raises ValueError: a topic name Kafka refuses (1 to 249 of ``a-z A-Z 0-9 . _ -``, not
+            ``.`` or ``..``), or a payload that is not strict JSON (NaN, infinity).
+        :raises TypeError: a payload that is not JSON-serialisable, or headers that are not
+            strings.
+        """
+        if (
+            not isinstance(destination, str)
+            or not TOPIC_NAME.fullmatch(destination)
+            or destination in (".", "..")
+        ):
+            raise ValueError(
+                f"{log_text(repr(destination)[:300])} is not a Kafka topic name: 1 to 249 of "
+                "a-z, A-Z, 0-9, '.', '_' and '-' (and not '.' or '..')."
+            )
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise TypeError("Kafka message headers must map strings to strings.")
+        _value(payload)
+
     def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         results: list[BaseException | None] = [None] * len(messages)
         failed: dict[str, BaseException] = {}
@@ -81,7 +114,7 @@ class KafkaTransport:
                 try:
                     producer.produce(
                         message.destination,
-                        value=json.dumps(message.payload, separators=(",", ":")).encode(),
+                        value=_value(message.payload),
                         key=key,
                         headers={**message.headers, EVENT_ID_KEY: message.event_id},
                         on_delivery=functools.partial(_report, reports, index),
@@ -109,13 +142,18 @@ class KafkaTransport:
 
     def _open(self) -> Producer:
         if self._producer is None:
-            self._producer = Producer(dict(self.config))
+            self._producer = type(self).producer_factory(dict(self.config))
         return self._producer
 
     def close(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.flush(self.timeout)
+
+
+def _value(payload: Any) -> bytes:
+    """The payload as compact, strict JSON (no NaN or infinity), UTF-8."""
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _report(

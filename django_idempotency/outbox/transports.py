@@ -13,6 +13,12 @@ object with ``send`` and ``close``:
   transport must not send the later messages with that key in the same call and reports them
   failed too (the relay puts them back without counting an attempt).
 * ``close()`` releases connections; the relay calls it when it stops.
+* Optionally, ``validate_message(destination, payload, headers)`` raises ``TypeError`` or
+  ``ValueError`` for a message the transport could never send (a Celery payload that is not an
+  ``args``/``kwargs`` envelope the task takes, a topic name Kafka refuses), so that it is refused
+  when it is written instead of being retried until parked.
+* A send never blocks for good: a broker that stops answering fails the batch after the
+  transport's timeout, well inside the relay's lease, so SIGTERM and lease expiry work.
 
 Transports are configured by name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``::
 
@@ -28,14 +34,18 @@ Transports are configured by name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``::
 
 Each is built once per process as ``BACKEND(**OPTIONS)`` (:func:`get_transport`). A message names
 its transport when it is written (``outbox.send(..., transport="kafka")``; default ``"default"``).
+
+Why this module is long: the Celery transport builds the task messages ``send_task`` would, and
+publishes a batch at once in three broker modes (a Redis pipeline, RabbitMQ confirms waited for
+per batch, AMQP transactions) that share the same per-key failure rule and timeouts.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -45,6 +55,7 @@ from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf
 from django_idempotency.events.core import EVENT_ID_KEY
+from django_idempotency.exceptions import log_text
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -184,17 +195,34 @@ def celery_envelope(
 class CeleryTransport:
     """Publish outbox messages as Celery task messages, and wait until the broker has them.
 
-    Each message becomes ``send_task(destination, args, kwargs, task_id=event_id,
-    headers={"event_id": event_id, ...})``: the ``event_id`` header is where
+    Each message is the one ``send_task(destination, args, kwargs, task_id=event_id,
+    headers={"event_id": event_id, ...}, **options)`` would publish, built with the same calls
+    (the app's router, ``app.amqp.create_task_message`` and ``app.amqp.send_task_message``), so
+    a worker consumes it exactly as before. The ``event_id`` header is where
     :class:`~django_idempotency.events.celery.IdempotentConsumer` looks when the arguments carry
-    no id,
-    so a consumer deduplicates resends with no code of its own.
+    no id, so a consumer deduplicates resends with no code of its own. What ``send_task`` does
+    around the message for a caller that waits for it (an ``AsyncResult``, the result backend's
+    subscription) is left out: the relay never waits for a result.
 
-    Durability: on RabbitMQ, ``confirm_publish`` (on by default) turns on publisher confirms, so
-    a message counts as sent only once the broker has taken responsibility for it (persistent
-    messages on a durable queue are on disk by then); ``transactions=True`` gives the same
-    guarantee per batch. On Redis, a batch goes in one pipeline and counts as sent once Redis has
-    answered every ``LPUSH``; the message survives a Redis restart only with ``appendonly yes``.
+    A whole call goes to the broker at once, and counts as sent only once the broker has it:
+
+    * **RabbitMQ** (default): publisher confirms for the whole batch. Every message is
+      published, then the transport waits for all the confirms (at most ``timeout`` seconds). A
+      message is reported sent only after its confirm; a nack, or no confirm in time, reports it
+      failed. Messages of one ordering key go in rounds (round ``n`` holds the ``n``-th message
+      of each key), each round waiting for its confirms, so a message is never published before
+      the earlier ones of its key were confirmed: a batch costs as many round trips as its most
+      frequent key has messages (one when no key repeats). ``transactions=True`` publishes the
+      batch in one AMQP transaction instead and counts it sent when ``tx.commit`` returns.
+    * **Redis**: one pipeline per batch (kombu's ``Producer.batch``), counted sent once Redis has
+      answered it; a failed flush reports every message of the call failed. A message survives a
+      Redis restart only with ``appendonly yes``.
+
+    No broker call waits longer than ``timeout`` seconds (socket reads and writes, the
+    connection handshake, the wait for a round's confirms), so a broker that stops answering
+    without closing the connection fails the batch instead of holding the relay past its lease,
+    and SIGTERM stops the relay after that batch. Keep the relay's lease above a few times
+    ``timeout``; a relay may call :meth:`limit_to_lease` to make sure.
     Publishing never retries inside the transport (``retry=False``): the relay retries with
     backoff.
 
@@ -205,10 +233,12 @@ class CeleryTransport:
         serializer come from it.
     :param broker_url: publish to this broker instead of the app's.
     :param confirm_publish: wait for RabbitMQ publisher confirms (ignored by other brokers).
-    :param transactions: RabbitMQ only: publish each batch in one AMQP transaction instead, and
-        count it sent when ``tx.commit`` returns: one round trip per batch rather than one per
-        message.
+        Without confirms (and without ``transactions``) a RabbitMQ message counts as sent once
+        it is written to the socket, and may be lost.
+    :param transactions: RabbitMQ only: publish each batch in one AMQP transaction instead of
+        with confirms.
     :param connect_timeout: seconds to wait for the broker's connection.
+    :param timeout: the most seconds any one broker call may wait (default 10).
     """
 
     def __init__(
@@ -218,14 +248,22 @@ class CeleryTransport:
         confirm_publish: bool = True,
         transactions: bool = False,
         connect_timeout: float = 5.0,
+        timeout: float = 10.0,
     ) -> None:
+        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ImproperlyConfigured(
+                    f"CeleryTransport {name} must be a positive number of seconds, not {value!r}."
+                )
         self._app_spec = app
         self.broker_url = broker_url
         self.confirm_publish = confirm_publish
         self.transactions = transactions
-        self.connect_timeout = connect_timeout
+        self.connect_timeout = float(connect_timeout)
+        self.timeout = float(timeout)
         self._connection: Any = None
         self._producer: Any = None
+        self._confirms: _Confirms | None = None
 
     @property
     def app(self) -> Celery:
@@ -237,17 +275,89 @@ class CeleryTransport:
             self._app_spec = import_string(self._app_spec)
         return self._app_spec  # type: ignore[return-value]
 
+    def limit_to_lease(self, lease: float) -> None:
+        """Keep every broker call within a quarter of the relay's ``lease`` (seconds).
+
+        A batch makes at most a few calls that may each wait ``timeout`` (connect, publish, the
+        confirms), so with this the relay records a silent broker's batch as failed before its
+        lease runs out and another relay sends it again. An optional transport method: a relay
+        that knows its lease may call it once, before the first send.
+        """
+        limit = float(lease) / 4
+        if limit <= 0:
+            raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
+        if self.timeout > limit or self.connect_timeout > limit:
+            self.timeout = min(self.timeout, limit)
+            self.connect_timeout = min(self.connect_timeout, limit)
+            self.close()  # the next send connects with the new timeouts
+
+    # --- Validation -------------------------------------------------------------------------
+
+    def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
+        """Refuse a message that no worker could ever run (called when it is written).
+
+        :raises TypeError: the payload is not the ``{"args", "kwargs", "options"}`` envelope of
+            :func:`celery_envelope`, or the task, registered in this process, does not take
+            these arguments (Celery's own check in ``apply_async``).
+        :raises ValueError: an empty destination, or headers that are not strings.
+        """
+        if not isinstance(destination, str) or not destination:
+            raise ValueError(f"A Celery destination is a task name, not {destination!r}.")
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise ValueError("Celery message headers must map strings to strings.")
+        args, kwargs, options = _envelope_parts(destination, payload)
+        celery_envelope(args, kwargs, options)  # unknown options raise TypeError
+        try:
+            task = self.app.tasks.get(destination)
+        except RuntimeError:  # an app with autofinalize=False, not finalized: no registry yet
+            task = None
+        if task is not None and getattr(task, "typing", False):
+            check = getattr(task, "__header__", None)
+            if check is not None:
+                try:
+                    check(*args, **kwargs)
+                except TypeError as exc:
+                    raise TypeError(
+                        f"Celery task {destination!r} cannot take args={args!r:.200}, "
+                        f"kwargs={kwargs!r:.200}: {exc}"
+                    ) from exc
+
+    # --- Sending ----------------------------------------------------------------------------
+
     def _open(self) -> Any:
         if self._producer is None:
             app = self.app
-            confirm = self.confirm_publish and not self.transactions
-            self._connection = app.connection_for_write(
-                self.broker_url,
-                connect_timeout=self.connect_timeout,
-                transport_options={"confirm_publish": confirm},
+            connection = app.connection_for_write(
+                self.broker_url, connect_timeout=self.connect_timeout
             )
-            self._connection.ensure_connection(max_retries=1)
-            self._producer = app.amqp.Producer(self._connection)
+            driver = connection.transport.driver_type
+            if driver == "amqp":
+                # py-amqp's socket timeouts: a broker that stops answering raises instead of
+                # blocking (the handshake waits connect_timeout). Confirms are selected on the
+                # channel below, so that a batch waits for them once, not once per message.
+                connection.transport_options = {
+                    **(connection.transport_options or {}),
+                    "read_timeout": self.timeout,
+                    "write_timeout": self.timeout,
+                    "confirm_publish": False,
+                }
+            elif driver == "redis":
+                connection.transport_options = {
+                    **(connection.transport_options or {}),
+                    "socket_timeout": self.timeout,
+                    "socket_connect_timeout": self.connect_timeout,
+                }
+            self._connection = connection
+            self._connection.ensure_connection(max_retries=1, timeout=self.connect_timeout)
+            producer = app.amqp.Producer(self._connection)
+            channel: Any = producer.channel
+            if driver == "amqp" and self.transactions:
+                channel.tx_select()
+            elif driver == "amqp" and self.confirm_publish:
+                self._confirms = _Confirms(channel)
+            self._producer = producer
         return self._producer
 
     @property
@@ -256,110 +366,195 @@ class CeleryTransport:
 
     def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         if self._eager:
-            return self._send_each(messages)
+            return self._send_eager(messages)
         try:
             producer = self._open()
         except Exception as exc:  # noqa: BLE001 - the broker is unreachable: nothing is sent
-            self.close()
+            self.close(broken=True)
             return [exc] * len(messages)
-        results: list[BaseException | None] = []
+        call = _Call(messages)
         try:
-            with self._batch(producer, len(messages)):
-                results = self._send_each(messages)
-        except Exception as exc:  # noqa: BLE001 - the batch's flush or commit failed
-            # None of the batch is known to have reached the broker: all of it is retried.
-            self.close()
-            return [exc] * len(messages)
-        return results
+            if self._confirms is not None:
+                self._send_confirmed(producer, call, self._confirms)
+            elif self.transactions:
+                self._send_transaction(producer, call)
+            else:
+                self._send_batch(producer, call)
+        except Exception as exc:  # noqa: BLE001 - the batch's flush, commit or wait failed
+            # Only messages the broker confirmed in an earlier round are known to be there: the
+            # rest of the batch is retried.
+            self.close(broken=True)
+            return [
+                call.results[index] if index in call.confirmed else exc
+                for index in range(len(messages))
+            ]
+        return call.results
 
-    @contextmanager
-    def _batch(self, producer: Any, size: int) -> Iterator[None]:
-        """Publish a whole call in one round trip where the broker allows it.
-
-        RabbitMQ with ``transactions``: one AMQP transaction, committed at the end (the commit
-        returns once the broker has the messages). Redis: one pipeline (kombu 5.7's
-        ``Producer.batch``). Otherwise one publish (and one confirm) per message.
-        """
-        if self.transactions:
-            channel = producer.channel
-            if not getattr(channel, "_idempotency_tx", False):
-                channel.tx_select()
-                channel._idempotency_tx = True
-            try:
-                yield
-            except BaseException:
-                channel.tx_rollback()
-                raise
-            channel.tx_commit()
-            return
+    def _send_batch(self, producer: Any, call: _Call) -> None:
+        """Redis (one pipeline), or RabbitMQ without confirms: publish all, flush once."""
+        everything = range(len(call.messages))
         batch = getattr(producer, "batch", None)
         if batch is None:
-            yield
+            self._publish_all(producer, call, everything)
             return
-        with batch(max_size=4 * size + 16):  # never flushed half-way
-            yield
+        with batch(max_size=8 * len(call.messages) + 16):  # never flushed half-way
+            self._publish_all(producer, call, everything)
 
-    def _send_each(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
-        results: list[BaseException | None] = []
-        failed_keys: dict[str, BaseException] = {}
-        broken: BaseException | None = None
-        for message in messages:
-            key = message.ordering_key
-            if broken is not None:
-                results.append(broken)
+    def _send_transaction(self, producer: Any, call: _Call) -> None:
+        """RabbitMQ: the whole call in one AMQP transaction; sent when ``tx.commit`` returns."""
+        channel = producer.channel
+        try:
+            self._publish_all(producer, call, range(len(call.messages)))
+        except BaseException:
+            channel.tx_rollback()
+            raise
+        channel.tx_commit()
+
+    def _send_confirmed(self, producer: Any, call: _Call, confirms: _Confirms) -> None:
+        """RabbitMQ with confirms: publish a round, wait for all its confirms, then the next.
+
+        A round holds at most one message per ordering key, so a message is published only
+        after the earlier ones of its key were confirmed (a batch of keys that do not repeat is
+        one round). When a round's confirms do not all come within ``timeout`` (or the
+        connection fails while waiting), its unconfirmed messages and every later one fail, and
+        the connection is dropped; confirmed ones stay sent.
+        """
+        for indexes in send_rounds(call.messages):
+            tags = self._publish_all(producer, call, indexes, confirms)
+            if not tags:
                 continue
-            if key is not None and key in failed_keys:
-                results.append(failed_keys[key])
+            deadline = time.monotonic() + self.timeout
+            outcomes, error = confirms.wait(tags, self._connection, deadline)
+            for index, outcome in outcomes.items():
+                call.fail(index, outcome)
+            if error is not None:
+                self.close(broken=True)
+                for index, result in enumerate(call.results):
+                    if result is None and index not in call.confirmed:
+                        call.fail(index, error)
+                return
+            call.confirmed.update(outcomes)
+
+    def _publish_all(
+        self,
+        producer: Any,
+        call: _Call,
+        indexes: Iterable[int],
+        confirms: _Confirms | None = None,
+    ) -> dict[int, int]:
+        """Publish the messages at ``indexes``; returns their indexes by delivery tag.
+
+        A message that cannot be published gets its error and holds back the later messages of
+        its key; a lost connection raises (the whole call fails).
+        """
+        tags: dict[int, int] = {}
+        declared: set[str] = set()
+        app = self.app
+        settings = _AppSettings.read(app)
+        for index in indexes:
+            if call.held_back(index):
                 continue
             try:
-                self._publish(message)
-            except Exception as exc:  # noqa: BLE001 - reported to the relay, which retries
-                results.append(exc)
-                if key is not None:
-                    failed_keys[key] = exc
+                name, task_message, options = self._task_message(
+                    app, settings, call.messages[index]
+                )
+                queue = options.get("queue")
+                queue_name = getattr(queue, "name", queue)
+                if queue_name is not None and queue_name in declared:
+                    options["declare"] = []  # declared once per call, not once per message
+                app.amqp.send_task_message(producer, name, task_message, retry=False, **options)
+            except Exception as exc:
                 if self._is_connection_error(exc):
-                    # The broker is gone: the rest of the batch would fail the same way.
-                    broken = exc
-                    self.close()
-            else:
-                results.append(None)
-        return results
+                    raise
+                call.fail(index, exc)
+                continue
+            if queue_name is not None:
+                declared.add(queue_name)
+            if confirms is not None:
+                tags[confirms.published()] = index
+        return tags
 
-    def _publish(self, message: OutboxMessage) -> None:
-        payload = message.payload
-        if not isinstance(payload, Mapping) or not {"args", "kwargs"} <= set(payload):
-            raise TypeError(
-                f"Outbox message {message.event_id} to Celery task {message.destination!r} "
-                "has no {'args', 'kwargs'} payload; write it with outbox.publish()."
+    def _task_message(
+        self, app: Celery, settings: _AppSettings, message: OutboxMessage
+    ) -> tuple[str, Any, dict[str, Any]]:
+        """The task message ``send_task`` would build, and its publish options.
+
+        The same steps as ``Celery.send_task``, for the options an outbox message may carry:
+        the task's own options when it is registered here, the router, ``expires`` as the
+        broker's ``expiration``, ``create_task_message``. The app settings it reads are read
+        once per call (:class:`_AppSettings`): each read costs more than the rest of a message.
+        """
+        from celery.utils.saferepr import saferepr
+
+        args, kwargs, given = _envelope_parts(message.destination, message.payload)
+        name = message.destination
+        options: dict[str, Any] = {
+            "headers": {**message.headers, EVENT_ID_KEY: message.event_id},
+            **given,
+        }
+        # The registry as send_task reads it: without finalizing the app.
+        registry: Any = getattr(app, "_tasks", None)
+        task = registry.get(name) if registry is not None else None
+        exec_options = getattr(task, "_get_exec_options", None) if task is not None else None
+        if exec_options is not None:
+            defaults = {k: v for k, v in exec_options().items() if v is not None}
+            options = {**defaults, **options}
+        time_limit = options.pop("time_limit", None)
+        soft_time_limit = options.pop("soft_time_limit", None)
+        expires = options.pop("expires", None)
+        ignore_result = options.pop("ignore_result", None)
+        task_type: Any = task  # send_task passes the registered task instance too
+        options = app.amqp.router.route(options, name, tuple(args), kwargs, task_type)
+        if expires is not None:
+            seconds = (
+                (expires - app.now()).total_seconds()
+                if isinstance(expires, datetime)
+                else float(expires)
             )
-        options = dict(payload.get("options") or {})
-        app = self.app
-        if self._eager:
-            # No broker (tests, a demo): run the task here and now, as delay() would; its
-            # exception counts as a failed send.
-            app.tasks[message.destination].apply(
-                args=tuple(payload["args"]),
-                kwargs=dict(payload["kwargs"]),
-                task_id=message.event_id,
-                headers={**message.headers, EVENT_ID_KEY: message.event_id},
-                throw=True,
-            )
-            return
-        producer = self._open()
-        app.send_task(
-            message.destination,
-            args=list(payload["args"]),
-            kwargs=dict(payload["kwargs"]),
-            task_id=message.event_id,
-            headers={**message.headers, EVENT_ID_KEY: message.event_id},
-            producer=producer,
-            retry=False,
+            options["expiration"] = max(0.0, seconds)
+        task_message = app.amqp.create_task_message(
+            message.event_id,
+            name,
+            args,
+            kwargs,
+            expires=expires,
+            reply_to=settings.reply_to,
+            time_limit=time_limit,
+            soft_time_limit=soft_time_limit,
+            create_sent_event=settings.sent_event,
+            # What create_task_message computes itself, with the same settings, read once.
+            argsrepr=saferepr(args or (), settings.argsrepr_size, maxlevels=settings.repr_levels),
+            kwargsrepr=saferepr(
+                kwargs or {}, settings.kwargsrepr_size, maxlevels=settings.repr_levels
+            ),
+            ignore_result=ignore_result,
             **options,
         )
+        options.pop("stamped_headers", None)
+        return name, task_message, options
+
+    def _send_eager(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        """No broker (tests, a demo): run each task here and now, as ``delay()`` would; its
+        exception counts as a failed send, and holds back the later messages of its key."""
+        call = _Call(messages)
+        app = self.app
+        for index, message in enumerate(messages):
+            if call.held_back(index):
+                continue
+            try:
+                args, kwargs, _ = _envelope_parts(message.destination, message.payload)
+                app.tasks[message.destination].apply(
+                    args=tuple(args),
+                    kwargs=dict(kwargs),
+                    task_id=message.event_id,
+                    headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                    throw=True,
+                )
+            except Exception as exc:  # noqa: BLE001 - reported to the relay, which retries
+                call.fail(index, exc)
+        return call.results
 
     def _is_connection_error(self, exc: BaseException) -> bool:
-        if self._eager:
-            return False  # no broker: the task ran here, and the exception is its own
         connection = self._connection
         if connection is None:
             return True  # it failed while connecting
@@ -368,10 +563,169 @@ class CeleryTransport:
         errors = tuple(connection.connection_errors) + tuple(connection.channel_errors)
         return isinstance(exc, (*errors, KombuOperationalError, OSError))
 
-    def close(self) -> None:
+    def close(self, broken: bool = False) -> None:
+        """Release the connection; a ``broken`` one is dropped without a goodbye to the broker
+        (which may not answer it)."""
         connection, self._connection, self._producer = self._connection, None, None
-        if connection is not None:
-            try:
+        self._confirms = None
+        if connection is None:
+            return
+        try:
+            if broken:
+                connection.collect(socket_timeout=self.timeout)
+            else:
                 connection.release()
-            except Exception:
-                logger.debug("closing the Celery transport's connection failed", exc_info=True)
+        except Exception:
+            logger.debug("closing the Celery transport's connection failed", exc_info=True)
+
+
+def _envelope_parts(
+    destination: str, payload: Any
+) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
+    """``(args, kwargs, options)`` of a Celery payload, or TypeError."""
+    if (
+        not isinstance(payload, Mapping)
+        or not {"args", "kwargs"} <= set(payload)
+        or not set(payload) <= {"args", "kwargs", "options"}
+        or not isinstance(payload["args"], (list, tuple))
+        or not isinstance(payload["kwargs"], Mapping)
+        or not all(isinstance(key, str) for key in payload["kwargs"])
+        or not isinstance(payload.get("options") or {}, Mapping)
+    ):
+        raise TypeError(
+            f"A message to Celery task {log_text(destination)} needs an "
+            "{'args': [...], 'kwargs': {...}, 'options': {...}} payload, not "
+            f"{log_text(repr(payload)[:200])}; write it with outbox.publish()."
+        )
+    return list(payload["args"]), dict(payload["kwargs"]), dict(payload.get("options") or {})
+
+
+@dataclass(frozen=True)
+class _AppSettings:
+    """The Celery settings a task message needs, read once per :meth:`CeleryTransport.send`."""
+
+    sent_event: bool
+    repr_levels: int
+    argsrepr_size: int
+    kwargsrepr_size: int
+    reply_to: str
+
+    @classmethod
+    def read(cls, app: Celery) -> _AppSettings:
+        return cls(
+            sent_event=bool(app.conf.task_send_sent_event),
+            repr_levels=app.conf.task_repr_maxlevels,
+            argsrepr_size=app.amqp.argsrepr_maxsize,
+            kwargsrepr_size=app.amqp.kwargsrepr_maxsize,
+            reply_to=app.thread_oid,
+        )
+
+
+class _Call:
+    """The results of one :meth:`CeleryTransport.send`, and the ordering keys that failed."""
+
+    def __init__(self, messages: Sequence[OutboxMessage]) -> None:
+        self.messages = messages
+        self.results: list[BaseException | None] = [None] * len(messages)
+        self.failed: dict[str, BaseException] = {}
+        self.confirmed: set[int] = set()
+
+    def fail(self, index: int, error: BaseException | None) -> None:
+        if error is None:
+            return
+        self.results[index] = error
+        key = self.messages[index].ordering_key
+        if key is not None:
+            self.failed.setdefault(key, error)
+
+    def held_back(self, index: int) -> bool:
+        """Whether an earlier message of this one's key failed; its error becomes this one's."""
+        key = self.messages[index].ordering_key
+        if key is not None and key in self.failed:
+            self.results[index] = self.failed[key]
+            return True
+        return False
+
+
+class _Confirms:
+    """RabbitMQ publisher confirms on one channel, waited for a batch at a time.
+
+    ``confirm_select`` puts the channel in confirm mode; from then on the broker numbers the
+    messages published on it 1, 2, 3... and acks (or nacks) them by that number, possibly
+    several at once (``multiple``). py-amqp calls the ``basic_ack``/``basic_nack`` event
+    callbacks as it reads those frames, which :meth:`wait` does until every tag it waits for
+    has an answer, or the deadline.
+    """
+
+    def __init__(self, channel: Any) -> None:
+        channel.confirm_select()
+        self.last_tag = 0
+        self.pending: set[int] = set()
+        self.answers: dict[int, BaseException | None] = {}
+        channel.events["basic_ack"].add(self._ack)
+        channel.events["basic_nack"].add(self._nack)
+
+    def published(self) -> int:
+        """The delivery tag of the message just published."""
+        self.last_tag += 1
+        self.pending.add(self.last_tag)
+        return self.last_tag
+
+    def _ack(self, tag: int, multiple: bool) -> None:
+        self._answer(tag, multiple, None)
+
+    def _nack(self, tag: int, multiple: bool) -> None:
+        from amqp.exceptions import MessageNacked
+
+        self._answer(tag, multiple, MessageNacked(f"RabbitMQ refused the message (nack {tag})"))
+
+    def _answer(self, tag: int, multiple: bool, error: BaseException | None) -> None:
+        answered = [t for t in self.pending if t <= tag] if multiple else [tag]
+        for t in answered:
+            self.pending.discard(t)
+            self.answers[t] = error
+
+    def wait(
+        self, tags: Mapping[int, int], connection: Any, deadline: float
+    ) -> tuple[dict[int, BaseException | None], BaseException | None]:
+        """The outcome of each message (by index) of ``tags``, and the error that stopped the
+        wait (None when every message was answered)."""
+        stopped: BaseException | None = None
+        while any(tag in self.pending for tag in tags):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stopped = TimeoutError("no publisher confirm from RabbitMQ in time")
+                break
+            try:
+                connection.drain_events(timeout=left)
+            except TimeoutError:
+                continue  # the deadline is checked above
+            except Exception as exc:  # noqa: BLE001 - the connection failed: no confirm comes
+                stopped = exc
+                break
+        outcomes: dict[int, BaseException | None] = {}
+        for tag, index in tags.items():
+            if tag in self.answers:
+                outcomes[index] = self.answers.pop(tag)
+            else:
+                assert stopped is not None
+                self.pending.discard(tag)
+                outcomes[index] = stopped
+        return outcomes, stopped
+
+
+def send_rounds(messages: Sequence[OutboxMessage]) -> list[list[int]]:
+    """Indexes in sending rounds: round ``n`` holds the ``n``-th message of each ordering key
+    (and round 0 every message without one)."""
+    rounds: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for index, message in enumerate(messages):
+        key = message.ordering_key
+        n = 0
+        if key is not None:
+            n = seen.get(key, 0)
+            seen[key] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(index)
+    return rounds
