@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_idempotency import telemetry
 from django_idempotency.events.ids import EVENT_ID_KEY
 from django_idempotency.extras import missing_extra
 
@@ -79,13 +80,14 @@ class KafkaTransport:
                     results[index] = failed[key]
                     continue
                 try:
-                    producer.produce(
-                        message.destination,
-                        value=json.dumps(message.payload, separators=(",", ":")).encode(),
-                        key=key,
-                        headers={**message.headers, EVENT_ID_KEY: message.event_id},
-                        on_delivery=functools.partial(_report, reports, index),
-                    )
+                    with telemetry.sending(message.headers, {"messaging.system": "kafka"}):
+                        producer.produce(
+                            message.destination,
+                            value=json.dumps(message.payload, separators=(",", ":")).encode(),
+                            key=key,
+                            headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                            on_delivery=functools.partial(_report, reports, index),
+                        )
                 except (KafkaException, BufferError, TypeError, ValueError) as exc:
                     results[index] = exc
                 else:

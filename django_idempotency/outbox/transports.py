@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.events.core import EVENT_ID_KEY
 
@@ -312,7 +313,8 @@ class CeleryTransport:
                 results.append(failed_keys[key])
                 continue
             try:
-                self._publish(message)
+                with telemetry.sending(message.headers, {"messaging.system": "celery"}):
+                    self._publish(message)
             except Exception as exc:  # noqa: BLE001 - reported to the relay, which retries
                 results.append(exc)
                 if key is not None:
