@@ -58,8 +58,13 @@ class JsonLinesSpanExporter(SpanExporter):
         pass
 
 
-def export_spans_to(path: str, service: str) -> None:
-    """Install a tracer provider that writes every span to ``path``."""
+def export_spans_to(path: str, service: str, *, celery: bool = False) -> None:
+    """Install a tracer provider that writes every span to ``path``; with ``celery``, also
+    opentelemetry-instrumentation-celery (its publish and run spans, and its propagation)."""
     provider = TracerProvider(resource=Resource.create({"service.name": service}))
     provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
     trace.set_tracer_provider(provider)
+    if celery:
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+
+        CeleryInstrumentor().instrument()  # type: ignore[no-untyped-call]

@@ -141,8 +141,17 @@ def test_a_server_error_is_a_first_execution_released(client: Client, otel: Sdk)
 
 def test_the_claim_and_the_store_are_spans(client: Client, otel: Sdk) -> None:
     post(client, URL, "k6")
-    names = [span.name for span in otel.finished()]
-    assert names == ["idempotency.claim", "idempotency.store"]
+    spans = {span.name: span for span in otel.finished()}
+    assert list(spans) == ["idempotency.claim", "idempotency.store", "idempotency.request"]
+    request = spans["idempotency.request"]
+    assert request.parent is None  # no instrumentation here: the library's span is the root
+    assert request.attributes == {
+        "http.request.method": "POST",
+        "idempotency.outcome": "first_execution",
+    }
+    for name in ("idempotency.claim", "idempotency.store"):
+        parent = spans[name].parent
+        assert parent is not None and parent.span_id == request.context.span_id
 
 
 # --- Consumers ----------------------------------------------------------------------------------

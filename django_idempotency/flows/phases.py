@@ -245,7 +245,8 @@ def run(
             return flow._roll_forward(None)
 
     try:
-        result = core.run(command, body, partial(capture, request=request))
+        with telemetry.span("idempotency.request", {"http.request.method": command.method}):
+            result = core.run(command, body, partial(capture, request=request))
     except StaleClaim:
         return RequestInProgress(
             "This request's lease ran out and a retry took it over; its current phase was "

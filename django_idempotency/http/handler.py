@@ -271,7 +271,10 @@ def handle(
         return prepared
     core = Idempotency(policy(options), request=request)
     try:
-        result = core.run(prepared, view, partial(capture, request=request, view_self=view_self))
+        with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
+            result = core.run(
+                prepared, view, partial(capture, request=request, view_self=view_self)
+            )
     except ProblemError as exc:
         return exc.as_response()
     return replay_response(result) if isinstance(result, Replay) else result
@@ -291,9 +294,10 @@ async def ahandle(
         return prepared
     core = Idempotency(policy(options), request=request)
     try:
-        result = await core.arun(
-            prepared, view, partial(capture, request=request, view_self=view_self)
-        )
+        with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
+            result = await core.arun(
+                prepared, view, partial(capture, request=request, view_self=view_self)
+            )
     except ProblemError as exc:
         return exc.as_response()
     return replay_response(result) if isinstance(result, Replay) else result
