@@ -90,6 +90,10 @@ def request_trace(client: Client, data: dict[str, Any]) -> tuple[str, str, str]:
     return event, trace_id, span_id
 
 
+def consumed(count: int) -> Callable[[list[dict[str, Any]]], bool]:
+    return lambda spans: len(named(spans, "idempotency.consume")) >= count
+
+
 def named(spans: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
     return [span for span in spans if span["name"] == name]
 
@@ -140,8 +144,7 @@ def test_request_relay_and_celery_worker_share_one_trace(
                 broker_url=broker,
             )
             assert relay.wait(60) == 0, relay.output()
-            consumed = run + 1
-            wait_for_spans(spans_file, lambda s: len(named(s, "idempotency.consume")) >= consumed)
+            wait_for_spans(spans_file, consumed(run + 1))
         assert OutboxEntry.objects.get(event_id=event).state == "sent"
         assert Effect.objects.filter(name="shop.effect", payload=event).count() == 1
 
