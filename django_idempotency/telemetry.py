@@ -46,6 +46,7 @@ from typing import Any, TypeVar, cast
 from django_idempotency.conf import conf
 
 __all__ = [
+    "configure",
     "consuming",
     "count",
     "delivery",
@@ -137,7 +138,9 @@ _state = _State()
 
 
 class _Api:
-    def __init__(self) -> None:
+    """The OpenTelemetry modules, and the tracer and meter of this library."""
+
+    def __init__(self, tracer_provider: Any = None, meter_provider: Any = None) -> None:
         from opentelemetry import context, metrics, propagate, trace
 
         self.context = context
@@ -148,8 +151,8 @@ class _Api:
             release = version("django-idempotency")
         except PackageNotFoundError:  # a source tree that was never installed
             release = ""
-        self.tracer = trace.get_tracer(METER_NAME, release)
-        self.meter = metrics.get_meter(METER_NAME, release)
+        self.tracer = trace.get_tracer(METER_NAME, release, tracer_provider=tracer_provider)
+        self.meter = metrics.get_meter(METER_NAME, release, meter_provider=meter_provider)
 
 
 def _api() -> _Api | None:
@@ -170,6 +173,21 @@ def _api() -> _Api | None:
 def enabled() -> bool:
     """True when metrics and spans are recorded: the API is installed and the setting is on."""
     return _api() is not None
+
+
+def configure(tracer_provider: Any = None, meter_provider: Any = None) -> None:
+    """Record through these providers instead of OpenTelemetry's global ones.
+
+    For a process that keeps several providers (the microbenchmark compares a no-op provider
+    with an SDK one); an application sets the global providers and never calls this. Without
+    the ``opentelemetry`` package it raises ImportError.
+    """
+    api = _Api(tracer_provider, meter_provider)
+    with _state.lock:
+        _state.api = api
+        _state.loaded = True
+        _state.instruments.clear()
+        _state.observed.clear()
 
 
 def reset() -> None:
