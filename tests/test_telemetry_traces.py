@@ -11,6 +11,7 @@ after a resend by a second relay (a relay restart) and after a Kafka dead-letter
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +29,7 @@ pytest.importorskip("opentelemetry.sdk")
 from django_idempotency import idempotent
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
+from testproject.otel import span_record
 from testproject.shop.models import Effect
 from tests.conftest import require_service
 from tests.otel_helpers import sdk
@@ -59,6 +61,9 @@ def publish_view(request: HttpRequest) -> HttpResponse:
 
 urlpatterns = [path("publish/", publish_view)]
 
+REQUEST_SPANS: list[dict[str, Any]] = []
+"""The spans of the last request, made in this process (the in-memory exporter)."""
+
 
 def read_spans(file: Path) -> list[dict[str, Any]]:
     if not file.exists():
@@ -82,6 +87,7 @@ def request_trace(client: Client, data: dict[str, Any]) -> tuple[str, str, str]:
         response = post(client, "/publish/", f"trace-{uuid.uuid4()}", data)
     assert response.status_code == 201, response.content  # type: ignore[attr-defined]
     event = json.loads(response.content)["event"]  # type: ignore[attr-defined]
+    REQUEST_SPANS[:] = [{**span_record(s), "process": "app"} for s in otel.finished()]
     [span] = [s for s in otel.finished() if s.name == "idempotency.request"]
     trace_id, span_id = f"{span.context.trace_id:032x}", f"{span.context.span_id:016x}"
     # Stored with the message, in its headers: no new column, no migration.
@@ -149,6 +155,10 @@ def test_request_relay_and_celery_worker_share_one_trace(
         assert Effect.objects.filter(name="shop.effect", payload=event).count() == 1
 
     spans = read_spans(spans_file)
+    dump = os.environ.get("IDEMPOTENCY_TRACE_DUMP")
+    if dump and instrumented:  # the spans behind docs/img/outbox-trace.png (scripts/draw_trace.py)
+        everything = REQUEST_SPANS + spans
+        Path(dump).write_text("".join(json.dumps(s, default=str) + "\n" for s in everything))
     sends = named(spans, "idempotency.outbox.send")
     consumes = named(spans, "idempotency.consume")
     batches = named(spans, "idempotency.outbox.batch")
