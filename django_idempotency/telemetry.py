@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar, cast
 
@@ -153,6 +153,35 @@ class _Api:
             release = ""
         self.tracer = trace.get_tracer(METER_NAME, release, tracer_provider=tracer_provider)
         self.meter = metrics.get_meter(METER_NAME, release, meter_provider=meter_provider)
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        self._silent_tracers: tuple[type, ...] = (
+            trace.NoOpTracerProvider,
+            trace.ProxyTracerProvider,
+        )
+        silent_meters: list[type] = [metrics.NoOpMeterProvider]
+        try:  # the provider the API answers with until an SDK sets one (not public)
+            from opentelemetry.metrics._internal import _ProxyMeterProvider
+        except ImportError:  # pragma: no cover - an API version that moved it
+            pass
+        else:
+            silent_meters.append(_ProxyMeterProvider)
+        self._silent_meters = tuple(silent_meters)
+
+    def tracing(self) -> bool:
+        """Whether spans go anywhere: a tracer provider other than the API's no-op or proxy.
+
+        Without an SDK (or with ``OTEL_SDK_DISABLED``) the API's providers answer every call
+        with a no-op; the library then skips its span work altogether, so the extra alone costs
+        one ``isinstance`` a call. Read at each call: an SDK may be set up after the first one.
+        """
+        provider = self._tracer_provider or self.trace.get_tracer_provider()
+        return not isinstance(provider, self._silent_tracers)
+
+    def metering(self) -> bool:
+        """Whether metrics go anywhere: as :meth:`tracing`, for the meter provider."""
+        provider = self._meter_provider or self.metrics.get_meter_provider()
+        return not isinstance(provider, self._silent_meters)
 
 
 def _api() -> _Api | None:
@@ -173,6 +202,48 @@ def _api() -> _Api | None:
 def enabled() -> bool:
     """True when metrics and spans are recorded: the API is installed and the setting is on."""
     return _api() is not None
+
+
+def _tracer() -> _Api | None:
+    """The API if spans are recorded now, else None."""
+    api = _api()
+    return api if api is not None and api.tracing() else None
+
+
+def _meter() -> _Api | None:
+    """The API if metrics are recorded now, else None."""
+    api = _api()
+    return api if api is not None and api.metering() else None
+
+
+_NULL = nullcontext()
+"""The context manager of a span that is not recorded: reusable, it does nothing."""
+
+
+class _Timed:
+    """A span ``idempotency.<step>`` and a histogram point of its duration: either may be off."""
+
+    __slots__ = ("_histogram", "_span", "_started", "_step")
+
+    def __init__(self, step: str, span: Any, histogram: Any) -> None:
+        self._step = step
+        self._span = span
+        self._histogram = histogram
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+        if self._span is not None:
+            self._span.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            if self._span is not None:
+                self._span.__exit__(*exc_info)
+        finally:
+            if self._histogram is not None:
+                elapsed = time.perf_counter() - self._started
+                self._histogram.record(elapsed, {"idempotency.step": self._step})
 
 
 def configure(tracer_provider: Any = None, meter_provider: Any = None) -> None:
@@ -220,7 +291,7 @@ def _instrument(api: _Api, name: str) -> Any:
 
 def count(name: str, attributes: Mapping[str, str], amount: int = 1) -> None:
     """Add ``amount`` to the counter ``name`` (one of :data:`COUNTERS`)."""
-    api = _api()
+    api = _meter()
     if api is None or amount <= 0:
         return
     _instrument(api, name).add(amount, dict(attributes))
@@ -228,7 +299,7 @@ def count(name: str, attributes: Mapping[str, str], amount: int = 1) -> None:
 
 def record(name: str, value: float, attributes: Mapping[str, str]) -> None:
     """Record ``value`` in the histogram ``name`` (one of :data:`HISTOGRAMS`)."""
-    api = _api()
+    api = _meter()
     if api is None:
         return
     _instrument(api, name).record(value, dict(attributes))
@@ -246,12 +317,14 @@ def http_outcome(outcome: str, level: int = logging.INFO) -> None:
     api = _api()
     if api is None:
         return
-    _instrument(api, HTTP_REQUESTS).add(
-        1, {"idempotency.outcome": category, "idempotency.result": outcome}
-    )
-    current = api.trace.get_current_span()
-    if current.is_recording():
-        current.set_attribute("idempotency.outcome", category)
+    if api.metering():
+        _instrument(api, HTTP_REQUESTS).add(
+            1, {"idempotency.outcome": category, "idempotency.result": outcome}
+        )
+    if api.tracing():
+        current = api.trace.get_current_span()
+        if current.is_recording():
+            current.set_attribute("idempotency.outcome", category)
 
 
 def delivery(consumer: str, outcome: str) -> None:
@@ -260,10 +333,12 @@ def delivery(consumer: str, outcome: str) -> None:
     if api is None:
         return
     attributes = {"idempotency.consumer": consumer, "idempotency.outcome": outcome}
-    _instrument(api, CONSUMER_DELIVERIES).add(1, attributes)
-    current = api.trace.get_current_span()
-    if current.is_recording():
-        current.set_attributes(attributes)
+    if api.metering():
+        _instrument(api, CONSUMER_DELIVERIES).add(1, attributes)
+    if api.tracing():
+        current = api.trace.get_current_span()
+        if current.is_recording():
+            current.set_attributes(attributes)
 
 
 def flow_run(flow: str, outcome: str) -> None:
@@ -280,7 +355,7 @@ def outbox_sends(
     ``outcomes`` what the transports answered for each (None: sent). A failure on a row that
     has used its last attempt is counted as ``parked``.
     """
-    if _api() is None:
+    if _meter() is None:
         return
     tally: dict[tuple[str, str], int] = {}
     for row, outcome in zip(rows, outcomes, strict=True):
@@ -300,23 +375,19 @@ def outbox_sends(
 # --- Spans --------------------------------------------------------------------------------------
 
 
-@contextmanager
 def span(
     name: str, attributes: Mapping[str, Any] | None = None, *, kind: str = "INTERNAL"
-) -> Iterator[Any]:
+) -> AbstractContextManager[Any]:
     """A span ``name`` around the block, as a child of the current one; yields it (or None)."""
-    api = _api()
+    api = _tracer()
     if api is None:
-        yield None
-        return
-    with api.tracer.start_as_current_span(
-        name, kind=getattr(api.trace.SpanKind, kind), attributes=dict(attributes or {})
-    ) as current:
-        yield current
+        return _NULL
+    return api.tracer.start_as_current_span(
+        name, kind=getattr(api.trace.SpanKind, kind), attributes=attributes
+    )
 
 
-@contextmanager
-def timed(step: str, histogram: str = HTTP_DURATION) -> Iterator[None]:
+def timed(step: str, histogram: str = HTTP_DURATION) -> AbstractContextManager[None]:
     """A span ``idempotency.<step>`` and a point in ``histogram`` with its duration in seconds.
 
     The HTTP core times its claim (``claim``) and its store (``store``) with it: the time the
@@ -324,16 +395,15 @@ def timed(step: str, histogram: str = HTTP_DURATION) -> Iterator[None]:
     """
     api = _api()
     if api is None:
-        yield
-        return
-    started = time.perf_counter()
-    try:
-        with api.tracer.start_as_current_span(f"idempotency.{step}"):
-            yield
-    finally:
-        _instrument(api, histogram).record(
-            time.perf_counter() - started, {"idempotency.step": step}
-        )
+        return _NULL
+    tracing, metering = api.tracing(), api.metering()
+    if not (tracing or metering):
+        return _NULL
+    return _Timed(
+        step,
+        api.tracer.start_as_current_span(f"idempotency.{step}") if tracing else None,
+        _instrument(api, histogram) if metering else None,
+    )
 
 
 def traced(name: str, *, argument: int | None = None, attribute: str = "") -> Callable[[F], F]:
@@ -346,7 +416,7 @@ def traced(name: str, *, argument: int | None = None, attribute: str = "") -> Ca
     def decorate(func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            api = _api()
+            api = _tracer()
             if api is None:
                 return func(*args, **kwargs)
             attributes = {}
@@ -369,12 +439,10 @@ def relay_batch(size: int) -> Iterator[None]:
         return
     started = time.perf_counter()
     try:
-        with api.tracer.start_as_current_span(
-            "idempotency.outbox.batch", attributes={"messaging.batch.message_count": size}
-        ):
+        with span("idempotency.outbox.batch", {"messaging.batch.message_count": size}):
             yield
     finally:
-        _instrument(api, OUTBOX_BATCH_DURATION).record(time.perf_counter() - started, {})
+        record(OUTBOX_BATCH_DURATION, time.perf_counter() - started, {})
 
 
 # --- Trace context through the outbox ----------------------------------------------------------
@@ -386,7 +454,7 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     Called by :func:`~django_idempotency.outbox.core.send` on the headers it stores. A
     ``traceparent`` the caller set is kept; without a current span nothing is added.
     """
-    api = _api()
+    api = _tracer()
     if api is None or "traceparent" in headers:
         return headers
     carrier: dict[str, str] = {}
@@ -444,7 +512,7 @@ def sending(
     *current* context into the message) belongs to the publishing request's trace. The relay's
     batch span is linked, so the batch still shows which messages it sent.
     """
-    api = _api()
+    api = _tracer()
     if api is None:
         yield
         return
@@ -479,7 +547,7 @@ def consuming(
       span from the same header): the span nests in it, and nothing is duplicated.
     * A current span in another trace: the span nests in it and links to the publisher.
     """
-    api = _api()
+    api = _tracer()
     if api is None:
         yield
         return

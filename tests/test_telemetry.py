@@ -420,3 +420,19 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path:
         "enabled": False,
         "imported": [],
     }
+
+
+def test_with_no_op_providers_the_library_skips_its_span_and_metric_work(otel: Sdk) -> None:
+    """The ``otel`` extra without an SDK: the API's providers would answer every call with a
+    no-op; the library sees that and does not even build spans (the microbenchmark's
+    ``otel-noop-first`` row), while an SDK provider set later is picked up at the next call."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    telemetry.configure(NoOpTracerProvider(), NoOpMeterProvider())
+    assert telemetry.enabled()
+    assert telemetry.span("x") is telemetry._NULL
+    assert telemetry.timed("claim") is telemetry._NULL
+    assert telemetry.inject({"a": "b"}) == {"a": "b"}
+    telemetry.reset()  # back to the global providers: the SDK of these tests
+    assert telemetry.span("x") is not telemetry._NULL
