@@ -140,3 +140,51 @@ def test_kafka_messages_by_outcome_and_dead_letters(kafka_cluster: Any, otel: Sd
     )
     assert deliveries == Counter({"applied": 1, "duplicate": 1, "failed": 2, "parked": 1})
     assert len(kafka_cluster.read(f"{topic}.dlq", 1)) == 1
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(120)
+def test_a_failed_offset_commit_counts_once(kafka_cluster: Any, otel: Sdk) -> None:
+    """A commit the broker refuses (here: an offset for a partition the topic does not have,
+    which the mock cluster answers with UNKNOWN_TOPIC_OR_PART) is logged and counted."""
+    from confluent_kafka import Consumer
+
+    from django_idempotency.kafka.runner import ConsumerRunner
+    from django_idempotency.kafka.settings import parse_consumers
+
+    topic = kafka_cluster.new_topic("otel-commit")
+    group = f"otel-{uuid.uuid4().hex[:8]}"
+    [settings] = parse_consumers(
+        "KAFKA_CONSUMERS",
+        {
+            "otel.commit": {
+                "HANDLER": "testproject.shop.kafka_handlers.apply",
+                "TOPICS": [topic],
+                "GROUP": group,
+                "CONFIG": {"bootstrap.servers": kafka_cluster.bootstrap},
+            }
+        },
+    ).values()
+    runner = ConsumerRunner(settings)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": kafka_cluster.bootstrap,
+            "group.id": group,
+            "enable.auto.commit": False,
+        }
+    )
+    consumer.subscribe([topic])
+    try:
+        for _ in range(6):
+            consumer.poll(0.5)
+        runner._consumer = consumer
+        runner._done = {(topic, 99): 5}  # no partition 99: the broker refuses the commit
+        before = otel.counter_values()
+        runner._commit()
+        changes = delta(before, otel.counter_values())
+    finally:
+        runner._consumer = None
+        consumer.close()
+    assert changes == {
+        (telemetry.KAFKA_COMMIT_FAILURES, frozenset({("idempotency.consumer", "otel.commit")})): 1
+    }
