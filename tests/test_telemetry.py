@@ -436,3 +436,10 @@ def test_with_no_op_providers_the_library_skips_its_span_and_metric_work(otel: S
     assert telemetry.inject({"a": "b"}) == {"a": "b"}
     telemetry.reset()  # back to the global providers: the SDK of these tests
     assert telemetry.span("x") is not telemetry._NULL
+
+
+def test_a_message_without_an_event_id_is_counted_as_parked(otel: Sdk) -> None:
+    from django_idempotency.events.core import park_message
+
+    changes = counted(otel, lambda: park_message("c.noid", "task-1", "no event id"))
+    assert one(changes) == deliveries("c.noid", "parked")

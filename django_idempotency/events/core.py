@@ -609,6 +609,7 @@ def park_message(
     delivery = count_delivery(key, name, topic=topic, using=alias)
     newly = event_store.park(delivery, alias)
     event_store.record_error(delivery, MissingEventId(reason), alias)
+    telemetry.delivery(name, "parked")
     logger.error(
         "MESSAGE PARKED, no usable event id: consumer %s, message %s: %s. Find it in the admin "
         "under 'event deliveries' (parked), event id %s.",
