@@ -38,9 +38,14 @@ class Sdk:
         return found
 
     def counter_values(self) -> dict[tuple[str, frozenset[tuple[str, Any]]], float]:
-        """Counter and histogram totals (a histogram's count) by (name, attributes)."""
+        """Counter and histogram totals (a histogram's count) by (name, attributes).
+
+        Gauges are left out: once a test registered them they stay with the provider, and
+        read whatever the tables hold at each collection."""
         totals: dict[tuple[str, frozenset[tuple[str, Any]]], float] = {}
         for name, attributes, value in self.points():
+            if name not in telemetry.COUNTERS and name not in telemetry.HISTOGRAMS:
+                continue
             number = value if isinstance(value, (int, float)) else value.count
             totals[name, frozenset(attributes.items())] = number
         return totals
