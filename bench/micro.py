@@ -10,6 +10,11 @@ building it is not timed), one request after another on one connection:
 * ``floor-bare``, ``floor-first``, ``floor-replay``: the raw-SQL floor, the same statements as
   the three rows above sent straight through the driver's own cursor (no Django), on PostgreSQL
   as prepared statements unless the connection goes through PgBouncer.
+* ``otel-noop-first`` and ``otel-sdk-first`` (when ``opentelemetry-sdk`` is installed): the
+  ``app-first`` row with telemetry recording through OpenTelemetry's no-op providers (the
+  ``otel`` extra without an SDK), and through a real SDK whose spans go to an in-memory
+  exporter and metrics to an in-memory reader. ``app-first`` itself records nothing, as without
+  the extra; ``ratio_to_app_first`` is the cost of telemetry on a first execution.
 
 The rows take turns request by request (the order rotates each round), so that outside load
 hits every row alike, and a ratio is the median of the per-round ratios to ``bare``. On 2
@@ -32,8 +37,10 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from importlib.util import find_spec
 from typing import Any
 
+OTEL_ROWS = ("otel-noop-first", "otel-sdk-first") if find_spec("opentelemetry.sdk") else ()
 ROWS = (
     "bare",
     "bare-atomic",
@@ -42,6 +49,7 @@ ROWS = (
     "floor-bare",
     "floor-first",
     "floor-replay",
+    *OTEL_ROWS,
 )
 LABELS = {
     "bare": "bare view",
@@ -51,6 +59,8 @@ LABELS = {
     "floor-bare": "raw SQL floor: the bare INSERT",
     "floor-first": "raw SQL floor: first execution",
     "floor-replay": "raw SQL floor: replay",
+    "otel-noop-first": "this app, first execution, otel API with no-op providers",
+    "otel-sdk-first": "this app, first execution, otel SDK, in-memory exporter",
 }
 OWNER = "bench-owner"
 BODY = json.dumps({"amount_cents": 1250}).encode()
@@ -215,6 +225,62 @@ def _day() -> Any:
     return timedelta(days=1)
 
 
+def _telemetry_switch(
+    names: tuple[str, ...],
+) -> Callable[[str, Callable[[Any], Any]], Callable[[Any], Any]]:
+    """``switch(mode, view)``: the view, recording telemetry as ``mode`` says for each call.
+
+    ``off`` records nothing (as without the ``otel`` extra), ``noop`` goes through
+    OpenTelemetry's no-op providers, ``sdk`` through an SDK with in-memory exporters. The rows
+    take turns request by request, so each call puts its own state in place, then the one
+    before it back. Every row goes through the switch, so its cost is in every row alike.
+    """
+    try:
+        from django_idempotency import telemetry
+    except ImportError:  # an older version of the app, without telemetry
+        return lambda mode, view: view
+    states: dict[str, tuple[Any, dict[str, Any]]] = {"off": (None, {})}
+    if any(name.startswith("otel-") for name in names):
+        from opentelemetry.metrics import NoOpMeterProvider
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+        from opentelemetry.trace import NoOpTracerProvider
+
+        telemetry.configure(NoOpTracerProvider(), NoOpMeterProvider())
+        states["noop"] = (telemetry._state.api, {})
+        tracer_provider = TracerProvider()
+        exporter = InMemorySpanExporter()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+        meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+        telemetry.configure(tracer_provider, meter_provider)
+        states["sdk"] = (telemetry._state.api, {})
+        telemetry.reset()
+    state = telemetry._state
+    state.loaded = True
+
+    def switch(mode: str, view: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        api, instruments = states[mode]
+
+        def call(request: Any) -> Any:
+            before = state.api, state.instruments
+            state.api, state.instruments = api, instruments
+            try:
+                return view(request)
+            finally:
+                state.api, state.instruments = before
+                if mode == "sdk":
+                    exporter.clear()  # an in-memory exporter keeps every span otherwise
+
+        return call
+
+    return switch
+
+
 def build_rows(
     pooled: bool, names: tuple[str, ...] = ROWS
 ) -> tuple[dict[str, tuple[Callable[[Any], Any], str]], Floor | None]:
@@ -225,12 +291,16 @@ def build_rows(
     from django_idempotency import idempotent
 
     app = idempotent(plain_view("app"))
+    switch = _telemetry_switch(names)
     rows: dict[str, tuple[Callable[[Any], Any], str]] = {
         "bare": (plain_view("bare"), "request"),
         "bare-atomic": (transaction.atomic(plain_view("bare-atomic")), "request"),
-        "app-first": (app, "request-new"),
-        "app-replay": (app, "request-replay"),
+        "app-first": (switch("off", app), "request-new"),
+        "app-replay": (switch("off", app), "request-replay"),
     }
+    if "otel-noop-first" in names:
+        rows["otel-noop-first"] = (switch("noop", app), "request-new")
+        rows["otel-sdk-first"] = (switch("sdk", app), "request-new")
     if not any(name.startswith("floor") for name in names):
         return rows, None  # e.g. an older version of the app, without the floor's statements
     floor = Floor(pooled)
@@ -346,6 +416,12 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
                 3,
             ),
         }
+        if name.startswith("otel-"):
+            ratios = [a / b for a, b in zip(us, per_round["app-first"], strict=True)]
+            entry["ratio_to_app_first"] = round(statistics.median(ratios), 3)
+            entry["ratio_to_app_first_rounds"] = [round(r, 3) for r in ratios]
+            pairs = zip(cpu_rounds[name], cpu_rounds["app-first"], strict=True)
+            entry["cpu_ratio_to_app_first"] = round(statistics.median(a / b for a, b in pairs), 3)
         if statements[name]:
             header = statements[name].most_common(1)[0][0]
             count, _, commits = header.partition("/")

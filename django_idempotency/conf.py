@@ -329,6 +329,12 @@ OPTIONS: dict[str, Option] = {
     "OUTBOX_NOTIFY": Option(
         True, _boolean, "On PostgreSQL, wake the relay with NOTIFY when a message commits."
     ),
+    # --- Operations ---
+    "TELEMETRY": Option(
+        True,
+        _boolean,
+        "OpenTelemetry metrics and spans, when opentelemetry-api is installed (the otel extra).",
+    ),
 }
 
 
@@ -470,6 +476,10 @@ class IdempotencySettings:
     @property
     def OUTBOX_NOTIFY(self) -> bool:
         return self.value("OUTBOX_NOTIFY")  # type: ignore[no-any-return]
+
+    @property
+    def TELEMETRY(self) -> bool:
+        return self.value("TELEMETRY")  # type: ignore[no-any-return]
 
 
 conf = IdempotencySettings()

@@ -74,6 +74,9 @@ class IdempotencyRecord(models.Model):
         indexes = [
             models.Index(fields=["expires_at"], name="idem_record_expires_idx"),
             models.Index(fields=["created_at"], name="idem_record_created_idx"),
+            # Records in progress and live leases (idempotency_status, the admin's stats):
+            # counted from this index, not from a scan of every completed record.
+            models.Index(fields=["state", "locked_until"], name="idem_record_state_idx"),
         ]
 
     def __str__(self) -> str:

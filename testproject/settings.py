@@ -136,6 +136,16 @@ if env("IDEMPOTENCY_OUTBOX_TRANSPORTS", default=""):
 
 PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
 
+# The trace proofs (tests/test_telemetry_traces.py): every span of this process, as JSON lines.
+if env("IDEMPOTENCY_SPANS_FILE", default=""):
+    from testproject.otel import export_spans_to
+
+    export_spans_to(
+        env("IDEMPOTENCY_SPANS_FILE"),
+        env("IDEMPOTENCY_SPANS_SERVICE", default="app"),
+        celery=env.bool("IDEMPOTENCY_SPANS_CELERY", default=False),
+    )
+
 # The Kafka consumer of the Kafka tests (tests/test_kafka_runner.py), which set these variables.
 if env("SHOP_KAFKA_BOOTSTRAP", default=""):
     IDEMPOTENCY["KAFKA_CONSUMERS"] = {

@@ -35,6 +35,7 @@ try:
 except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
     raise missing_extra("celery", __name__) from error
 
+from django_idempotency import telemetry
 from django_idempotency.events.core import park_message, process_event
 from django_idempotency.events.ids import (
     EVENT_ID_KEY,
@@ -251,17 +252,18 @@ class IdempotentConsumerMixin(_TaskBase):
                 return None
 
         try:
-            outcome = process_event(
-                consumer,
-                event_id,
-                body,
-                topic=self.topic,
-                ttl=self.event_ttl,
-                using=self.database,
-                max_deliveries=self.max_deliveries,
-                count_deliveries=self.count_deliveries,
-                redelivered=self.broker_redelivered() if from_broker else None,
-            )
+            with telemetry.consuming(consumer, telemetry.celery_carrier(request), event_id):
+                outcome = process_event(
+                    consumer,
+                    event_id,
+                    body,
+                    topic=self.topic,
+                    ttl=self.event_ttl,
+                    using=self.database,
+                    max_deliveries=self.max_deliveries,
+                    count_deliveries=self.count_deliveries,
+                    redelivered=self.broker_redelivered() if from_broker else None,
+                )
         except EventParked as exc:
             if not from_broker:
                 raise

@@ -69,7 +69,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency import signals
+from django_idempotency import signals, telemetry
 from django_idempotency.conf import conf
 from django_idempotency.events import store as event_store
 from django_idempotency.events.ids import (
@@ -130,6 +130,7 @@ def _alias(using: str | None) -> str:
 # --- The reservation ----------------------------------------------------------------------------
 
 
+@telemetry.traced("idempotency.reserve")
 def try_reserve(
     event_id: EventId,
     consumer: str,
@@ -184,6 +185,7 @@ def try_reserve(
     return state == RESERVED
 
 
+@telemetry.traced("idempotency.reserve")
 def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: str) -> str:
     """Reserve a delivery the broker vouches was never made before (``redelivered=False``).
 
@@ -383,7 +385,9 @@ def process_event(
             # transaction has committed, whatever a later hook raises.
             transaction.on_commit(lambda: committed.append(True), using=alias)
             if travels:
-                delivery, state = event_store.count_and_reserve(
+                delivery, state = telemetry.traced("idempotency.reserve")(
+                    event_store.count_and_reserve
+                )(
                     connections[alias],
                     name,
                     event,
@@ -427,15 +431,19 @@ def process_event(
                 _after_commit_failed(event, name, delivery, exc, alias)
             if delivery is not None and not first:
                 event_store.record_error(delivery, exc, alias, unless_processed=True)
+        telemetry.delivery(name, "failed")
         raise
 
     if not applied:
         _duplicate_ignored(event, name, topic_value)
+    else:
+        telemetry.delivery(name, "applied")
     return Processed(applied, result)
 
 
 def _reject_parked(event: str, consumer: str, topic: str, count: int | None) -> NoReturn:
     times = "" if count is None else f" ({count} deliveries)"
+    telemetry.delivery(consumer, "parked")
     logger.error(
         "parked event delivered again and rejected: event %s, consumer %s%s. Delete its "
         "EventDelivery row to let it run again.",
@@ -508,6 +516,7 @@ def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> D
 
 
 def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
+    telemetry.delivery(consumer, "duplicate")
     logger.info(
         "duplicate ignored: event %s, consumer %s",
         log_text(event),
@@ -540,6 +549,7 @@ def _after_commit_failed(
 
 
 def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:
+    telemetry.delivery(delivery.consumer, "parked")
     _parked(delivery, limit, event_store.park(delivery, using))
     raise EventParked(
         f"Event {delivery.event_id} for consumer {delivery.consumer!r} was delivered "
@@ -599,6 +609,7 @@ def park_message(
     delivery = count_delivery(key, name, topic=topic, using=alias)
     newly = event_store.park(delivery, alias)
     event_store.record_error(delivery, MissingEventId(reason), alias)
+    telemetry.delivery(name, "parked")
     logger.error(
         "MESSAGE PARKED, no usable event id: consumer %s, message %s: %s. Find it in the admin "
         "under 'event deliveries' (parked), event id %s.",

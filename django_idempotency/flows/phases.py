@@ -70,6 +70,7 @@ from django.http.response import HttpResponseBase
 from django.test.client import encode_multipart
 from django.utils import timezone
 
+from django_idempotency import telemetry
 from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import conf
 from django_idempotency.events.core import try_reserve
@@ -316,7 +317,8 @@ def run(
         return response
 
     try:
-        result = core.run(command, body, partial(capture, request=request))
+        with telemetry.span("idempotency.request", {"http.request.method": command.method}):
+            result = core.run(command, body, partial(capture, request=request))
     except StaleClaim:
         return RequestInProgress(
             "This request's lease ran out and a retry took it over; its current phase was "
@@ -368,6 +370,7 @@ class _FlowCore(Idempotency):
         self._fresh_atomic(claim)
         if flow is not None and flow.recorded:
             flow._set_state(FlowRun.State.COMPLETED)
+            telemetry.flow_run(flow.view.name if flow.view else "", "completed")
         super()._finish(command, claim, captured)
 
     def _store_failure(self, command: Command, claim: _Claim, captured: Captured) -> None:
@@ -386,6 +389,7 @@ class _FlowCore(Idempotency):
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             raise
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
+        telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")
 
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         flow = self.flow
@@ -466,6 +470,7 @@ class Flow:
 
     # -- the API ----------------------------------------------------------------------------
 
+    @telemetry.traced("idempotency.flow.phase", argument=1, attribute="idempotency.phase")
     def phase(
         self,
         name: str,
@@ -494,6 +499,7 @@ class Flow:
             self._save(recovery_point=name, result=(name, stored), started="")
         return self._committed(name, returned, compensate)  # type: ignore[no-any-return]
 
+    @telemetry.traced("idempotency.flow.call", argument=1, attribute="idempotency.phase")
     def call(
         self,
         name: str,
@@ -583,6 +589,7 @@ class Flow:
         self._started = run.started
         self.recovery_point = run.recovery_point
         self.resumed = True
+        telemetry.flow_run(self.view.name, "resumed")
 
     def _lookup(self, name: str, compensate: Callable[[Any, str], Any] | None) -> _Done | None:
         if not isinstance(name, str) or not name or len(name) > MAX_PHASE_NAME:
@@ -702,6 +709,8 @@ class Flow:
                     done.compensate(done.result, self.key_for(f"{done.name}:compensate"))
             compensated.append(done.name)
         self.failed = True
+        if compensated:
+            telemetry.flow_run(self.view.name if self.view else "", "compensated")
         flow_failed.send(sender=Flow, flow=self, phase=interrupted, compensated=compensated)
         problem = FlowFailed(
             "The request stopped at a step that cannot be retried safely, or failed too many "

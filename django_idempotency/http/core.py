@@ -45,7 +45,7 @@ from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 
-from django_idempotency import signals
+from django_idempotency import signals, telemetry
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import (
     KeyReused,
@@ -254,16 +254,17 @@ class Idempotency:
         atomic = transaction.atomic(using=self.policy.using)
         atomic.__enter__()
         try:
-            result = self.store.claim(
-                owner=command.owner,
-                key=command.key,
-                fingerprint=command.fingerprint,
-                method=command.method,
-                path=command.path,
-                token=token,
-                ttl=self.policy.ttl,
-                lease=lease,
-            )
+            with telemetry.timed("claim"):
+                result = self.store.claim(
+                    owner=command.owner,
+                    key=command.key,
+                    fingerprint=command.fingerprint,
+                    method=command.method,
+                    path=command.path,
+                    token=token,
+                    ttl=self.policy.ttl,
+                    lease=lease,
+                )
         except BaseException:
             atomic.__exit__(*sys.exc_info())
             raise
@@ -342,15 +343,16 @@ class Idempotency:
                 headers = dict(captured.headers)
                 if captured.body is None:
                     headers[NOT_REPLAYABLE] = captured.not_replayable_reason or "not stored"
-                claim.record_id = self.store.complete(
-                    claim.record_id,
-                    claim.token,
-                    status=captured.status,
-                    headers=headers,
-                    body=captured.body,
-                    commit=True,  # leaving claim.atomic, next, commits
-                    deferred=claim.deferred,
-                )
+                with telemetry.timed("store"):
+                    claim.record_id = self.store.complete(
+                        claim.record_id,
+                        claim.token,
+                        status=captured.status,
+                        headers=headers,
+                        body=captured.body,
+                        commit=True,  # leaving claim.atomic, next, commits
+                        deferred=claim.deferred,
+                    )
         except StaleClaim:
             transaction.set_rollback(True, using=policy.using)
             claim.atomic.__exit__(None, None, None)
@@ -393,6 +395,7 @@ class Idempotency:
     def _log(
         self, command: Command, outcome: str, *, level: int = logging.INFO, **extra: Any
     ) -> None:
+        telemetry.http_outcome(outcome, level)  # every outcome passes here, logged or not
         if not logger.isEnabledFor(level):  # nothing is formatted for a level that is off
             return
         details = "".join(

@@ -23,6 +23,7 @@ from django.http.request import HttpHeaders, RawPostDataException
 from django.http.response import HttpResponseBase
 from django.template.response import SimpleTemplateResponse
 
+from django_idempotency import telemetry
 from django_idempotency.conf import MAX_DURATION, MAX_SECONDS, SAFE_METHODS, conf
 from django_idempotency.exceptions import MissingKey, ProblemError
 from django_idempotency.http.core import Captured, Command, Idempotency, Policy, Replay
@@ -219,6 +220,7 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         key = parse_key(header, conf.MAX_KEY_LENGTH)
     except ProblemError as exc:
         setattr(http_request, HANDLED, True)
+        telemetry.http_outcome("malformed_key" if header is not None else "missing_key")
         return exc.as_response()
     setattr(http_request, HANDLED, True)
     return Command(
@@ -269,7 +271,10 @@ def handle(
         return prepared
     core = Idempotency(policy(options), request=request)
     try:
-        result = core.run(prepared, view, partial(capture, request=request, view_self=view_self))
+        with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
+            result = core.run(
+                prepared, view, partial(capture, request=request, view_self=view_self)
+            )
     except ProblemError as exc:
         return exc.as_response()
     return replay_response(result) if isinstance(result, Replay) else result
@@ -289,9 +294,10 @@ async def ahandle(
         return prepared
     core = Idempotency(policy(options), request=request)
     try:
-        result = await core.arun(
-            prepared, view, partial(capture, request=request, view_self=view_self)
-        )
+        with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
+            result = await core.arun(
+                prepared, view, partial(capture, request=request, view_self=view_self)
+            )
     except ProblemError as exc:
         return exc.as_response()
     return replay_response(result) if isinstance(result, Replay) else result

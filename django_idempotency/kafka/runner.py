@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import DatabaseError, close_old_connections
 from django.utils.module_loading import import_string
 
+from django_idempotency import telemetry
 from django_idempotency.conf import conf, consumer_settings
 from django_idempotency.events.core import normalize_event_id, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId
@@ -228,8 +229,13 @@ class ConsumerRunner:
 
     def handle(self, message: Message) -> Outcome:
         """Process one message, then commit its offset or set it up for redelivery."""
-        outcome = self.process(message)
+        with telemetry.consuming(self.settings.name, telemetry.carrier(_headers(message))):
+            outcome = self.process(message)
         self.counts[outcome] += 1
+        telemetry.count(
+            telemetry.KAFKA_MESSAGES,
+            {"idempotency.consumer": self.settings.name, "idempotency.outcome": outcome.value},
+        )
         topic, partition, offset = _position(message)
         if outcome is Outcome.RETRY:
             assert self._consumer is not None
@@ -316,6 +322,9 @@ class ConsumerRunner:
         try:
             self._consumer.commit(offsets=offsets, asynchronous=False)
         except KafkaException as exc:
+            telemetry.count(
+                telemetry.KAFKA_COMMIT_FAILURES, {"idempotency.consumer": self.settings.name}
+            )
             # The group moved on (a rebalance, a lost session): the next owner of the partition
             # delivers these messages again and their reservations skip them.
             logger.warning(
@@ -393,6 +402,7 @@ class ConsumerRunner:
                 exc,
             )
             return Outcome.RETRY
+        telemetry.count(telemetry.KAFKA_DEAD_LETTERED, {"idempotency.consumer": settings.name})
         logger.error(
             "MESSAGE DEAD-LETTERED to %s: consumer %s, %s, %d deliveries: %s",
             target,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from django.core.exceptions import ImproperlyConfigured
 
+from django_idempotency import telemetry
 from django_idempotency.events.ids import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
 from django_idempotency.extras import missing_extra
@@ -112,13 +113,14 @@ class KafkaTransport:
                     results[index] = failed[key]
                     continue
                 try:
-                    producer.produce(
-                        message.destination,
-                        value=_value(message.payload),
-                        key=key,
-                        headers={**message.headers, EVENT_ID_KEY: message.event_id},
-                        on_delivery=functools.partial(_report, reports, index),
-                    )
+                    with telemetry.sending(message.headers, {"messaging.system": "kafka"}):
+                        producer.produce(
+                            message.destination,
+                            value=_value(message.payload),
+                            key=key,
+                            headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                            on_delivery=functools.partial(_report, reports, index),
+                        )
                 except (KafkaException, BufferError, TypeError, ValueError) as exc:
                     results[index] = exc
                 else:

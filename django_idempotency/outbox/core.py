@@ -36,6 +36,7 @@ from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
+from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.events.core import (
     EventId,
@@ -139,7 +140,8 @@ def send(
         "transport": _transport(transport),
         # None is JSON null: left bare, it would be SQL NULL, which the column refuses.
         "payload": Value(None, JSONField()) if payload is None else payload,
-        "headers": _json("headers", _headers(headers), vendor),
+        # The request's trace context, so that the consumer's span joins its trace, however late.
+        "headers": _json("headers", telemetry.inject(_headers(headers)), vendor),
         "ordering_key": None if key is None else _name("ordering key", key),
         "state": OutboxEntry.State.PENDING,
         "attempts": 0,

@@ -65,6 +65,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
+from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import error_text
 from django_idempotency.models import OutboxEntry
@@ -154,8 +155,9 @@ class Relay:
         result = BatchResult(claimed=len(claimed), batches=1 if claimed else 0)
         if not claimed:
             return result
-        outcomes = self._send(claimed)
-        self._record(claimed, outcomes, result)
+        with telemetry.relay_batch(len(claimed)):
+            outcomes = self._send(claimed)
+            self._record(claimed, outcomes, result)
         return result
 
     def drain(self, max_seconds: float | None = None) -> BatchResult:
@@ -291,6 +293,7 @@ class Relay:
                 failures.append((row, outcome))
                 if row.ordering_key is not None:
                     failed_keys.add(row.ordering_key)
+        telemetry.outbox_sends(rows, outcomes, self.max_attempts)
         queryset = OutboxEntry.objects.using(self.using)
         with transaction.atomic(using=self.using):
             if sent:
@@ -365,6 +368,7 @@ class Relay:
         logged, the connection closed, and the loop goes on after a wait.
         """
         total = BatchResult()
+        telemetry.observe(self.using)  # the backlog gauges, reported by the relay alone
         listener = _Listener.open(self.using)
         try:
             while not self._stopping.is_set():

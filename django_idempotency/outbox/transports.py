@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
+from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
@@ -455,14 +456,16 @@ class CeleryTransport:
             if call.held_back(index):
                 continue
             try:
-                name, task_message, options = self._task_message(
-                    app, settings, call.messages[index]
-                )
-                queue = options.get("queue")
-                queue_name = getattr(queue, "name", queue)
-                if queue_name is not None and queue_name in declared:
-                    options["declare"] = []  # declared once per call, not once per message
-                app.amqp.send_task_message(producer, name, task_message, retry=False, **options)
+                message = call.messages[index]
+                with telemetry.sending(message.headers, {"messaging.system": "celery"}):
+                    name, task_message, options = self._task_message(app, settings, message)
+                    queue = options.get("queue")
+                    queue_name = getattr(queue, "name", queue)
+                    if queue_name is not None and queue_name in declared:
+                        options["declare"] = []  # declared once per call, not once per message
+                    app.amqp.send_task_message(
+                        producer, name, task_message, retry=False, **options
+                    )
             except Exception as exc:
                 if self._is_connection_error(exc):
                     raise

@@ -1,0 +1,445 @@
+"""OpenTelemetry metrics and spans, read back with the SDK's in-memory reader and exporter.
+
+Each outcome increments exactly its own counter (the delta of one action is that one data point
+and nothing else), no metric attribute carries a key, an event id or an owner, and without the
+``opentelemetry`` package nothing of it is imported at all.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import connection, transaction
+from django.test import Client, override_settings
+from django.utils import timezone
+
+pytest.importorskip("opentelemetry.sdk")
+
+from django_idempotency import telemetry
+from django_idempotency.events.core import process_event
+from django_idempotency.exceptions import EventParked
+from django_idempotency.models import FlowRun, IdempotencyRecord, OutboxEntry
+from django_idempotency.outbox import core as outbox
+from django_idempotency.outbox.relay import Relay
+from django_idempotency.outbox.transports import OutboxMessage
+from tests.otel_helpers import Sdk, delta, sdk
+from tests.probes import post
+from tests.workers import REPO
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+URL = "/probe/effect/"
+Key = tuple[str, frozenset[tuple[str, Any]]]
+
+
+@pytest.fixture
+def otel() -> Iterator[Sdk]:
+    yield sdk()
+    telemetry.reset()
+
+
+def one(changes: dict[Key, float]) -> tuple[str, dict[str, Any], float]:
+    """The single data point that changed; fails if none or several did."""
+    assert len(changes) == 1, changes
+    [((name, attributes), value)] = changes.items()
+    return name, dict(attributes), value
+
+
+def counted(otel: Sdk, action: Any, *, histograms: bool = False) -> dict[Key, float]:
+    """The counters (and, if asked, histograms) that ``action()`` changed."""
+    before = otel.counter_values()
+    action()
+    changes = delta(before, otel.counter_values())
+    if not histograms:
+        changes = {k: v for k, v in changes.items() if k[0] != telemetry.HTTP_DURATION}
+    return changes
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+def requests_counter(outcome: str, result: str) -> tuple[str, dict[str, Any], float]:
+    return (
+        telemetry.HTTP_REQUESTS,
+        {"idempotency.outcome": outcome, "idempotency.result": result},
+        1,
+    )
+
+
+def test_a_first_execution_and_its_replay(client: Client, otel: Sdk) -> None:
+    changes = counted(otel, lambda: post(client, URL, "k1"), histograms=True)
+    assert changes.pop((telemetry.HTTP_DURATION, frozenset({("idempotency.step", "claim")}))) == 1
+    assert changes.pop((telemetry.HTTP_DURATION, frozenset({("idempotency.step", "store")}))) == 1
+    assert one(changes) == requests_counter("first_execution", "stored")
+    replay = counted(otel, lambda: post(client, URL, "k1"), histograms=True)
+    assert replay.pop((telemetry.HTTP_DURATION, frozenset({("idempotency.step", "claim")}))) == 1
+    assert one(replay) == requests_counter("replay", "replayed")
+
+
+def test_a_mismatch_is_counted_as_mismatch(client: Client, otel: Sdk) -> None:
+    post(client, URL, "k2", {"a": 1})
+    response: Any = None
+
+    def again() -> None:
+        nonlocal response
+        response = post(client, URL, "k2", {"a": 2})
+
+    assert one(counted(otel, again)) == requests_counter("mismatch", "mismatch")
+    assert response.status_code == 422
+
+
+@override_settings(IDEMPOTENCY={"WAIT": 0})
+def test_a_conflict_is_counted_as_conflict(client: Client, otel: Sdk) -> None:
+    post(client, "/probe/lease/", "seed")
+    seed = IdempotencyRecord.objects.get(key="seed")
+    IdempotencyRecord.objects.create(
+        owner=seed.owner,
+        key="busy",
+        fingerprint=seed.fingerprint,
+        method="POST",
+        path="/probe/lease/",
+        locked_until=timezone.now() + timedelta(hours=1),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    response: Any = None
+
+    def busy() -> None:
+        nonlocal response
+        response = post(client, "/probe/lease/", "busy")
+
+    assert one(counted(otel, busy)) == requests_counter("conflict", "conflict")
+    assert response.status_code == 409
+
+
+def test_a_response_that_was_not_stored(client: Client, otel: Sdk) -> None:
+    first = counted(otel, lambda: b"".join(post(client, "/probe/stream/", "s").streaming_content))  # type: ignore[attr-defined]
+    assert one(first) == requests_counter("first_execution", "stored_not_replayable")
+    assert one(counted(otel, lambda: post(client, "/probe/stream/", "s"))) == requests_counter(
+        "not_stored", "not_replayable"
+    )
+
+
+def test_a_malformed_and_a_missing_key(client: Client, otel: Sdk) -> None:
+    malformed = counted(otel, lambda: post(client, URL, "a, b"))
+    assert one(malformed) == requests_counter("malformed_key", "malformed_key")
+    missing = counted(otel, lambda: post(client, "/probe/required/"))
+    assert one(missing) == requests_counter("missing_key", "missing_key")
+
+
+def test_a_server_error_is_a_first_execution_released(client: Client, otel: Sdk) -> None:
+    changes = counted(otel, lambda: post(client, URL + "?status=503", "k5"))
+    assert one(changes) == requests_counter("first_execution", "rolled_back")
+
+
+def test_the_claim_and_the_store_are_spans(client: Client, otel: Sdk) -> None:
+    post(client, URL, "k6")
+    spans = {span.name: span for span in otel.finished()}
+    assert list(spans) == ["idempotency.claim", "idempotency.store", "idempotency.request"]
+    request = spans["idempotency.request"]
+    assert request.parent is None  # no instrumentation here: the library's span is the root
+    assert request.attributes == {
+        "http.request.method": "POST",
+        "idempotency.outcome": "first_execution",
+    }
+    for name in ("idempotency.claim", "idempotency.store"):
+        parent = spans[name].parent
+        assert parent is not None and parent.span_id == request.context.span_id
+
+
+# --- Consumers ----------------------------------------------------------------------------------
+
+
+def deliveries(consumer: str, outcome: str) -> tuple[str, dict[str, Any], float]:
+    return (
+        telemetry.CONSUMER_DELIVERIES,
+        {"idempotency.consumer": consumer, "idempotency.outcome": outcome},
+        1,
+    )
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail() -> None:
+    raise Boom("the consumer failed on purpose")
+
+
+def test_consumer_outcomes_each_count_once(otel: Sdk) -> None:
+    event = str(uuid.uuid4())
+    applied = counted(otel, lambda: process_event("c.metrics", event, lambda: None))
+    assert one(applied) == deliveries("c.metrics", "applied")
+    duplicate = counted(otel, lambda: process_event("c.metrics", event, lambda: None))
+    assert one(duplicate) == deliveries("c.metrics", "duplicate")
+
+    poison = str(uuid.uuid4())
+
+    def deliver() -> None:
+        with pytest.raises((Boom, EventParked)):
+            process_event("c.metrics", poison, fail, max_deliveries=1)
+
+    assert one(counted(otel, deliver)) == deliveries("c.metrics", "failed")
+    assert one(counted(otel, deliver)) == deliveries("c.metrics", "parked")  # 2nd > max 1
+    assert one(counted(otel, deliver)) == deliveries("c.metrics", "parked")  # refused again
+
+
+def test_each_reservation_is_a_span(otel: Sdk) -> None:
+    with transaction.atomic():
+        from django_idempotency.events.core import try_reserve
+
+        assert try_reserve(str(uuid.uuid4()), "c.span")
+    assert [span.name for span in otel.finished()] == ["idempotency.reserve"]
+
+
+# --- Outbox -------------------------------------------------------------------------------------
+
+
+class Answering:
+    """A transport that answers each message with what ``answers`` holds for its destination."""
+
+    def __init__(self, failing: set[str]) -> None:
+        self.failing = failing
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        return [
+            ConnectionError("down") if m.destination in self.failing else None for m in messages
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+def test_relay_sends_by_transport_and_outcome_and_its_batch_duration(otel: Sdk) -> None:
+    with transaction.atomic():
+        outbox.send("ok.topic", {"n": 1})
+        outbox.send("ok.topic", {"n": 2})
+        outbox.send("bad.topic", {"n": 3})
+        outbox.send("worse.topic", {"n": 4})
+    OutboxEntry.objects.filter(destination="worse.topic").update(attempts=1)
+    relay = Relay(
+        transports={"default": Answering({"bad.topic", "worse.topic"})},
+        max_attempts=2,
+    )
+    changes = counted(otel, relay.run_once, histograms=True)
+    sends = telemetry.OUTBOX_SENDS
+    assert changes == {
+        (
+            sends,
+            frozenset({("idempotency.transport", "default"), ("idempotency.outcome", "sent")}),
+        ): 2,
+        (
+            sends,
+            frozenset({("idempotency.transport", "default"), ("idempotency.outcome", "failed")}),
+        ): 1,
+        (
+            sends,
+            frozenset({("idempotency.transport", "default"), ("idempotency.outcome", "parked")}),
+        ): 1,
+        (telemetry.OUTBOX_BATCH_DURATION, frozenset()): 1,
+    }
+    assert OutboxEntry.objects.filter(state="parked").count() == 1
+    batch = [span for span in otel.finished() if span.name == "idempotency.outbox.batch"]
+    assert len(batch) == 1 and batch[0].attributes == {"messaging.batch.message_count": 4}
+    # An idle poll makes no span and no point.
+    otel.spans.clear()
+    assert counted(otel, relay.run_once, histograms=True) == {}
+    assert otel.finished() == []
+
+
+def test_outbox_gauges_read_pending_lag_parked_and_abandoned_runs(otel: Sdk) -> None:
+    alias = connection.alias
+    assert telemetry.observe(alias)
+    assert not telemetry.observe(alias)  # once per database
+    with transaction.atomic():
+        for n in range(3):
+            outbox.send("gauge.topic", {"n": n})
+    OutboxEntry.objects.filter(pk=OutboxEntry.objects.order_by("id")[0].pk).update(
+        state="parked", created_at=timezone.now() - timedelta(hours=1)
+    )
+    OutboxEntry.objects.filter(state="pending").update(
+        created_at=timezone.now() - timedelta(minutes=10)
+    )
+    record = IdempotencyRecord.objects.create(
+        owner="o",
+        key="abandoned",
+        fingerprint="f",
+        method="POST",
+        path="/p",
+        locked_until=timezone.now() - timedelta(minutes=1),
+        expires_at=timezone.now() + timedelta(days=1),
+    )
+    FlowRun.objects.create(record=record, flow="m:f", fingerprint="f")
+    values = {name: value for name, _, value in otel.points()}
+    assert values[telemetry.OUTBOX_PENDING] == 2
+    assert values[telemetry.OUTBOX_PARKED] == 1
+    assert 590 <= values[telemetry.OUTBOX_LAG] <= 3600
+    assert values[telemetry.FLOW_ABANDONED] == 1
+    assert values[telemetry.DELIVERIES_PARKED] == 0
+
+
+# --- What the attributes may carry --------------------------------------------------------------
+
+
+def test_no_metric_attribute_carries_a_key_an_event_id_or_an_owner(
+    client: Client, otel: Sdk
+) -> None:
+    key = f"secret-key-{uuid.uuid4()}"
+    event = str(uuid.uuid4())
+    post(client, URL, key, {"card": "4242"})
+    post(client, URL, key, {"card": "4242"})
+    post(client, URL, key, {"card": "0000"})
+    process_event("c.attrs", event, lambda: None)
+    process_event("c.attrs", event, lambda: None)
+    with transaction.atomic():
+        outbox.send("attrs.topic", {"card": "4242"}, key="order-77", event_id=event)
+    Relay(transports={"default": Answering(set())}).run_once()
+    owner = IdempotencyRecord.objects.get(key=key).owner
+    forbidden = {key, event, owner, "order-77", "4242", "0000"}
+    points = otel.points()
+    assert points
+    for name, attributes, _ in points:
+        for attribute, value in attributes.items():
+            assert not any(secret in str(value) for secret in forbidden), (name, attribute)
+        assert set(attributes) <= {
+            "idempotency.outcome",
+            "idempotency.result",
+            "idempotency.step",
+            "idempotency.consumer",
+            "idempotency.transport",
+            "idempotency.flow",
+            "idempotency.database",
+        }, (name, attributes)
+
+
+# --- Off, and absent ----------------------------------------------------------------------------
+
+
+@override_settings(IDEMPOTENCY={"TELEMETRY": False})
+def test_the_setting_turns_everything_off(client: Client, otel: Sdk) -> None:
+    telemetry.reset()
+    assert counted(otel, lambda: post(client, URL, "off"), histograms=True) == {}
+    assert otel.finished() == []
+    with transaction.atomic():
+        outbox.send("off.topic", {})
+    assert "traceparent" not in OutboxEntry.objects.get(destination="off.topic").headers
+
+
+def test_the_setting_is_validated() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from django_idempotency.conf import conf
+
+    with (
+        override_settings(IDEMPOTENCY={"TELEMETRY": "yes"}),
+        pytest.raises(ImproperlyConfigured, match=r"TELEMETRY.*True or False"),
+    ):
+        print(conf.TELEMETRY)
+
+
+BLOCKED = textwrap.dedent(
+    """
+    import importlib.abc, json, os, sys, uuid
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "opentelemetry" or name.startswith("opentelemetry."):
+                raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
+    import django
+    django.setup()
+    from django.test.utils import setup_test_environment
+    setup_test_environment()
+    from django.core.management import call_command
+    call_command("migrate", verbosity=0)
+    from django.db import transaction
+    from django.test import Client
+    from django_idempotency import telemetry
+    from django_idempotency.events.core import process_event
+    from django_idempotency.models import OutboxEntry
+    from django_idempotency.outbox import core as outbox
+    from django_idempotency.outbox.relay import Relay
+
+    client = Client()
+    first = client.post("/probe/effect/", "{}", content_type="application/json",
+                        headers={"Idempotency-Key": "hidden"})
+    again = client.post("/probe/effect/", "{}", content_type="application/json",
+                        headers={"Idempotency-Key": "hidden"})
+    event = str(uuid.uuid4())
+    applied = process_event("c.hidden", event, lambda: None).applied
+    with transaction.atomic():
+        outbox.send("hidden.topic", {"n": 1})
+    headers = OutboxEntry.objects.get(destination="hidden.topic").headers
+    print(json.dumps({
+        "statuses": [first.status_code, again.status_code],
+        "replayed": again.headers.get("Idempotent-Replayed"),
+        "applied": applied,
+        "headers": headers,
+        "enabled": telemetry.enabled(),
+        "imported": sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"),
+    }))
+    """
+)
+
+
+def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path: Any) -> None:
+    """A fresh interpreter that cannot import ``opentelemetry`` (a meta-path finder refuses it)
+    serves a request and its replay, applies an event and writes an outbox message: all work,
+    and no ``opentelemetry`` module was loaded. On a throwaway SQLite database of its own."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'hidden.sqlite3'}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", BLOCKED],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {
+        "statuses": [201, 201],
+        "replayed": "true",
+        "applied": True,
+        "headers": {},
+        "enabled": False,
+        "imported": [],
+    }
+
+
+def test_with_no_op_providers_the_library_skips_its_span_and_metric_work(otel: Sdk) -> None:
+    """The ``otel`` extra without an SDK: the API's providers would answer every call with a
+    no-op; the library sees that and does not even build spans (the microbenchmark's
+    ``otel-noop-first`` row), while an SDK provider set later is picked up at the next call."""
+    from opentelemetry.metrics import NoOpMeterProvider
+    from opentelemetry.trace import NoOpTracerProvider
+
+    telemetry.configure(NoOpTracerProvider(), NoOpMeterProvider())
+    assert telemetry.enabled()
+    assert telemetry.span("x") is telemetry._NULL
+    assert telemetry.timed("claim") is telemetry._NULL
+    assert telemetry.inject({"a": "b"}) == {"a": "b"}
+    telemetry.reset()  # back to the global providers: the SDK of these tests
+    assert telemetry.span("x") is not telemetry._NULL
+
+
+def test_a_message_without_an_event_id_is_counted_as_parked(otel: Sdk) -> None:
+    from django_idempotency.events.core import park_message
+
+    changes = counted(otel, lambda: park_message("c.noid", "task-1", "no event id"))
+    assert one(changes) == deliveries("c.noid", "parked")
