@@ -12,6 +12,10 @@ while ``override_settings`` still works in tests. Nothing is read at import time
         "RECORD_TTL": timedelta(hours=48),
         "PATHS": [r"^/api/"],
     }
+
+Why this module is long: it is the one table of every setting (its default, its parser and its
+typed accessor), across all the concerns; splitting it by concern would spread the checks that
+docs/settings.md is tested against over several files.
 """
 
 from __future__ import annotations
