@@ -59,6 +59,7 @@ from typing import Any, TypeVar
 
 from asgiref.sync import iscoroutinefunction
 from django.apps import apps
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 from django.db.models import F, Model
@@ -739,7 +740,9 @@ class Flow:
             ),
             "secure": request.is_secure(),
             "content_type": _storable(content_type),
-            "body": base64.b64encode(body).decode("ascii"),
+            # None: too large to store (see _stored_body); the completer reports the run as
+            # unavailable, and the client's retry resumes it.
+            "body": None if body is None else base64.b64encode(body).decode("ascii"),
             "user": str(getattr(user, "pk", ""))
             if getattr(user, "is_authenticated", False)
             else None,
@@ -751,7 +754,7 @@ MULTIPART_BOUNDARY = "django-idempotency-stored-form"
 """The boundary of a multipart body written again from its parsed form (:func:`_stored_body`)."""
 
 
-def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
+def _stored_body(request: Any, http_request: Any) -> tuple[bytes | None, str]:
     """The request's body and content type, as the completer will send them again.
 
     A multipart POST is parsed from the stream (by the fingerprint, CSRF or the view), and
@@ -759,6 +762,12 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
     and every multipart POST to a phased view answered 500. Its parsed fields and files are
     written again as a multipart body of the same content. A body a DRF parser consumed is
     stored as the JSON of what it parsed.
+
+    Uploaded files do not count toward ``DATA_UPLOAD_MAX_MEMORY_SIZE``, the bound Django puts on
+    a raw body, so a multipart body written again can be far larger than any raw body: above
+    that setting it is not stored (None), as a raw body that large would have been refused.
+    Stored, a 13 MB upload made the first phase's insert exceed MariaDB's
+    ``max_allowed_packet`` (a 500, and the connection dropped).
     """
     content_type = str(http_request.META.get("CONTENT_TYPE", ""))
     try:
@@ -771,6 +780,11 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
         }
         for name in http_request.FILES:
             fields.setdefault(name, []).extend(http_request.FILES.getlist(name))
+        stored_type = f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        files_size = sum(getattr(upload, "size", 0) or 0 for upload in _uploads(fields))
+        if limit is not None and files_size > limit:
+            return None, stored_type  # not read into memory at all
         for upload in _uploads(fields):
             upload.seek(0)
         try:
@@ -778,7 +792,9 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
         finally:
             for upload in _uploads(fields):
                 upload.seek(0)  # the view reads its files after the first phase, too
-        return body, f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+        if limit is not None and len(body) > limit:
+            return None, stored_type
+        return body, stored_type
     if hasattr(request, "_full_data"):  # a DRF request whose parser read the stream
         text = json.dumps(request.data, ensure_ascii=True, default=str)
         return text.encode("ascii"), "application/json"
