@@ -10,11 +10,14 @@ write a value over MariaDB's ``max_allowed_packet`` (16 MB by default): "server 
 
 from __future__ import annotations
 
+import threading
 import uuid
+from typing import Any
 
 import pytest
 from django.contrib.auth.models import AnonymousUser
 from django.core.files.uploadedfile import SimpleUploadedFile
+from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import RequestFactory
 
@@ -24,7 +27,8 @@ from django_idempotency.flows.phases import Flow
 from django_idempotency.models import FlowRun
 from testproject.shop.models import Effect
 from testproject.shop.probe_flows import ProbeError
-from tests.probes import effects
+from tests.probes import effects, in_thread
+from tests.test_flows_hardening import json_post
 
 pytestmark = [pytest.mark.django_db(transaction=True)]
 
@@ -68,3 +72,59 @@ def test_a_large_multipart_upload_to_a_phased_view_is_answered_not_500() -> None
     retry = big_upload_view(big_post(stopped))  # the client's retry resumes the run
     assert retry.status_code == 201, retry.content[:500]
     assert effects("review-upload", stopped) == 1
+
+
+# --- a phase whose lease runs out mid-way, at a strict isolation level (PostgreSQL) -----------
+
+HOLD = threading.Event()
+HOLDING = threading.Event()
+WAKE = threading.Event()
+
+
+@idempotent(phases=True, lease=0.3)
+def slow_phase_view(request: HttpRequest, flow: Flow) -> HttpResponse:
+    key = request.headers["Idempotency-Key"]
+
+    def charge() -> int:
+        Effect.objects.filter(name="review-phase").count()  # fixes the snapshot
+        if HOLD.is_set():
+            HOLD.clear()
+            HOLDING.set()
+            assert WAKE.wait(30), "the test never woke the stale holder"
+        return Effect.objects.create(name="review-phase", payload=key).pk
+
+    flow.phase("charge", charge)
+    return JsonResponse({"ok": True}, status=201)
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("level", ["REPEATABLE_READ", "SERIALIZABLE"])
+def test_a_phase_that_outlived_its_lease_gets_409_not_500(level: str) -> None:
+    """The phase's fence (a token-checked update) meets a takeover committed after the phase's
+    snapshot: at READ COMMITTED it finds the token gone (409); at REPEATABLE READ and
+    SERIALIZABLE PostgreSQL raised a serialization failure, a 500."""
+    if connection.Database.__name__ != "psycopg":
+        pytest.skip("the isolation level is set through psycopg 3's connection")
+    import psycopg
+
+    key = str(uuid.uuid4())
+    HOLD.set()
+    HOLDING.clear()
+    WAKE.clear()
+
+    def stale() -> Any:
+        connection.ensure_connection()
+        connection.connection.isolation_level = getattr(psycopg.IsolationLevel, level)
+        return slow_phase_view(json_post(key))
+
+    holder, held = in_thread(stale)
+    assert HOLDING.wait(10)
+    threading.Event().wait(0.6)  # the holder's lease runs out
+    retry, retried = in_thread(lambda: slow_phase_view(json_post(key)))
+    retry.join(30)
+    assert retried["result"].status_code == 201, retried
+    WAKE.set()
+    holder.join(30)
+    assert "error" not in held, held
+    assert held["result"].status_code == 409, held["result"].content
+    assert effects("review-phase", key) == 1

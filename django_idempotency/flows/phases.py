@@ -61,7 +61,7 @@ from asgiref.sync import iscoroutinefunction
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.models import F, Model
 from django.db.transaction import TransactionManagementError
 from django.dispatch import Signal
@@ -93,6 +93,7 @@ from django_idempotency.http.handler import (
     prepare,
     replay_response,
 )
+from django_idempotency.http.store import SERIALIZATION_FAILURE, _sqlstate
 from django_idempotency.models import FlowRun, IdempotencyRecord
 
 __all__ = [
@@ -621,11 +622,19 @@ class Flow:
         assert self.claim is not None and self.core is not None
         lease = self.core.policy.lease
         assert lease is not None
-        updated = (
-            IdempotencyRecord.objects.using(self._alias)
-            .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
-            .update(locked_until=DatabaseNow() + lease)
-        )
+        try:
+            updated = (
+                IdempotencyRecord.objects.using(self._alias)
+                .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
+                .update(locked_until=DatabaseNow() + lease)
+            )
+        except OperationalError as exc:
+            # PostgreSQL at REPEATABLE READ or SERIALIZABLE: a takeover committed after the
+            # phase's snapshot fails the update (40001) instead of leaving it no row. The claim
+            # is lost all the same; this answered 500.
+            if _sqlstate(exc) != SERIALIZATION_FAILURE:
+                raise
+            updated = 0
         if updated != 1:
             raise StaleClaim(
                 f"Record {self.claim.record_id} is no longer held by token {self.claim.token}: "
