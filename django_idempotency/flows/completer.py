@@ -177,6 +177,11 @@ def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:
     data = run_row.request
     if not data or data.get("view_args") is None:
         raise ValueError("the run did not store its request (its URL arguments are not JSON)")
+    if data.get("body") is None:
+        raise ValueError(
+            "the run did not store its request body (a multipart body over "
+            "DATA_UPLOAD_MAX_MEMORY_SIZE): a retry by the client resumes it"
+        )
     meta: dict[str, Any] = {"HTTP_" + conf.HEADER.upper().replace("-", "_"): record.key}
     if data.get("host"):
         meta["HTTP_HOST"] = data["host"]

@@ -59,8 +59,9 @@ from typing import Any, TypeVar
 
 from asgiref.sync import iscoroutinefunction
 from django.apps import apps
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.models import F, Model
 from django.db.transaction import TransactionManagementError
 from django.dispatch import Signal
@@ -93,6 +94,7 @@ from django_idempotency.http.handler import (
     prepare,
     replay_response,
 )
+from django_idempotency.http.store import SERIALIZATION_FAILURE, _sqlstate
 from django_idempotency.models import FlowRun, IdempotencyRecord
 
 __all__ = [
@@ -627,11 +629,19 @@ class Flow:
         assert self.claim is not None and self.core is not None
         lease = self.core.policy.lease
         assert lease is not None
-        updated = (
-            IdempotencyRecord.objects.using(self._alias)
-            .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
-            .update(locked_until=DatabaseNow() + lease)
-        )
+        try:
+            updated = (
+                IdempotencyRecord.objects.using(self._alias)
+                .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
+                .update(locked_until=DatabaseNow() + lease)
+            )
+        except OperationalError as exc:
+            # PostgreSQL at REPEATABLE READ or SERIALIZABLE: a takeover committed after the
+            # phase's snapshot fails the update (40001) instead of leaving it no row. The claim
+            # is lost all the same; this answered 500.
+            if _sqlstate(exc) != SERIALIZATION_FAILURE:
+                raise
+            updated = 0
         if updated != 1:
             raise StaleClaim(
                 f"Record {self.claim.record_id} is no longer held by token {self.claim.token}: "
@@ -748,7 +758,9 @@ class Flow:
             ),
             "secure": request.is_secure(),
             "content_type": _storable(content_type),
-            "body": base64.b64encode(body).decode("ascii"),
+            # None: too large to store (see _stored_body); the completer reports the run as
+            # unavailable, and the client's retry resumes it.
+            "body": None if body is None else base64.b64encode(body).decode("ascii"),
             "user": str(getattr(user, "pk", ""))
             if getattr(user, "is_authenticated", False)
             else None,
@@ -760,7 +772,7 @@ MULTIPART_BOUNDARY = "django-idempotency-stored-form"
 """The boundary of a multipart body written again from its parsed form (:func:`_stored_body`)."""
 
 
-def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
+def _stored_body(request: Any, http_request: Any) -> tuple[bytes | None, str]:
     """The request's body and content type, as the completer will send them again.
 
     A multipart POST is parsed from the stream (by the fingerprint, CSRF or the view), and
@@ -768,6 +780,12 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
     and every multipart POST to a phased view answered 500. Its parsed fields and files are
     written again as a multipart body of the same content. A body a DRF parser consumed is
     stored as the JSON of what it parsed.
+
+    Uploaded files do not count toward ``DATA_UPLOAD_MAX_MEMORY_SIZE``, the bound Django puts on
+    a raw body, so a multipart body written again can be far larger than any raw body: above
+    that setting it is not stored (None), as a raw body that large would have been refused.
+    Stored, a 13 MB upload made the first phase's insert exceed MariaDB's
+    ``max_allowed_packet`` (a 500, and the connection dropped).
     """
     content_type = str(http_request.META.get("CONTENT_TYPE", ""))
     try:
@@ -780,6 +798,11 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
         }
         for name in http_request.FILES:
             fields.setdefault(name, []).extend(http_request.FILES.getlist(name))
+        stored_type = f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        files_size = sum(getattr(upload, "size", 0) or 0 for upload in _uploads(fields))
+        if limit is not None and files_size > limit:
+            return None, stored_type  # not read into memory at all
         for upload in _uploads(fields):
             upload.seek(0)
         try:
@@ -787,7 +810,9 @@ def _stored_body(request: Any, http_request: Any) -> tuple[bytes, str]:
         finally:
             for upload in _uploads(fields):
                 upload.seek(0)  # the view reads its files after the first phase, too
-        return body, f"multipart/form-data; boundary={MULTIPART_BOUNDARY}"
+        if limit is not None and len(body) > limit:
+            return None, stored_type
+        return body, stored_type
     if hasattr(request, "_full_data"):  # a DRF request whose parser read the stream
         text = json.dumps(request.data, ensure_ascii=True, default=str)
         return text.encode("ascii"), "application/json"

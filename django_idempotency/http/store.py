@@ -378,7 +378,11 @@ class RecordStore:
                         rows = cursor.fetchall()
                 return int(rows[0][0]) if deferred is not None else int(record_id or 0)
             except DatabaseError as exc:
-                if _sqlstate(exc) != NO_DATA_FOUND:
+                # At REPEATABLE READ or SERIALIZABLE, a takeover (or a purge) that committed
+                # after this transaction's snapshot makes the update fail with a serialization
+                # failure instead of finding the token gone: the claim is lost all the same,
+                # and the view's writes roll back. It answered 500.
+                if _sqlstate(exc) not in (NO_DATA_FOUND, SERIALIZATION_FAILURE):
                     raise
             if deferred is not None:
                 raise StaleClaim(
@@ -404,8 +408,17 @@ class RecordStore:
         if deferred is not None:
             return
         with self.connection.cursor() as cursor:
-            cursor.execute(_statements(self.connection).release, [record_id, self._token(token)])
-            deleted = cursor.rowcount
+            try:
+                cursor.execute(
+                    _statements(self.connection).release, [record_id, self._token(token)]
+                )
+            except OperationalError as exc:
+                # As in complete(): a takeover after this transaction's snapshot.
+                if _sqlstate(exc) != SERIALIZATION_FAILURE:
+                    raise
+                deleted = 0
+            else:
+                deleted = cursor.rowcount
         if deleted != 1:
             raise StaleClaim(
                 f"Record {record_id} is no longer held by token {token}; it was not released."
