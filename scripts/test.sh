@@ -17,7 +17,8 @@
 #   QUICK=1             skip the tests marked slow (races, crashes, real workers, browser).
 #   BACKENDS="sqlite postgres"   only these database passes (default: each combination's own).
 #   SESSIONS="tests(6.1-py3.13) install"   only these nox sessions (default: all).
-#   JOBS=2              lanes for the sessions after the main one (1: one after the other).
+#   JOBS=2              lanes for the sessions beside the main one (1: one after the other).
+#   LANES_AFTER=1       run those lanes after the main combination instead of beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REQUIRE_SERVICES="${REQUIRE_SERVICES:-0}"
@@ -107,35 +108,43 @@ rest=()
 for name in "${all_sessions[@]}"; do [ "$name" = "$main_session" ] || rest+=("$name"); done
 nox_code=0
 
-if [[ " ${all_sessions[*]} " == *" $main_session "* ]]; then
-  step "the main combination, its backends side by side: nox -s $main_session"
-  nox -s "$main_session" -- "$@" || nox_code=1
-fi
-
-# The other sessions in JOBS parallel lanes, each with its own test databases and log.
+# The other sessions (the version matrix, lowest, install) in JOBS parallel lanes, each with its
+# own test databases and log. They start with the main combination and run beside it at the
+# lowest CPU priority: the main combination's slow tests spend most of their time waiting on
+# workers, brokers and sleeps, and the lanes' quick passes fill that time, while any test that
+# needs the CPU gets it first (nice 19). Set LANES_AFTER=1 to run them after the main one.
 JOBS="${JOBS:-2}"
-if [ ${#rest[@]} -gt 0 ]; then
+pids=()
+lanes=()
+start_lanes() {
+  [ ${#rest[@]} -gt 0 ] || return 0
   mapfile -t lanes < <(python -c '
 import sys
 sys.path.insert(0, ".")
 import noxfile
 for lane in noxfile.lanes(sys.argv[2:], int(sys.argv[1])):
     print(" ".join(lane))' "$JOBS" "${rest[@]}")
-  step "the other sessions in ${#lanes[@]} lanes (JOBS=$JOBS)"
-  pids=()
+  step "the other sessions in ${#lanes[@]} lanes (JOBS=$JOBS), at nice 19"
   for i in "${!lanes[@]}"; do
     read -ra lane <<< "${lanes[$i]}"
     echo "   lane $((i + 1)): ${lane[*]}  (log: .reports/lane$((i + 1)).log)"
     TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_lane$((i + 1))" \
-      nox -s "${lane[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
+      nice -n 19 nox -s "${lane[@]}" -- "$@" > ".reports/lane$((i + 1)).log" 2>&1 &
     pids+=($!)
   done
-  for i in "${!pids[@]}"; do
-    wait "${pids[$i]}" || nox_code=1
-    step "lane $((i + 1)) output"
-    cat ".reports/lane$((i + 1)).log"
-  done
+}
+
+[ "${LANES_AFTER:-0}" = 1 ] || start_lanes "$@"
+if [[ " ${all_sessions[*]} " == *" $main_session "* ]]; then
+  step "the main combination, its backends side by side: nox -s $main_session"
+  nox -s "$main_session" -- "$@" || nox_code=1
 fi
+[ "${LANES_AFTER:-0}" != 1 ] || start_lanes "$@"
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || nox_code=1
+  step "lane $((i + 1)) output"
+  cat ".reports/lane$((i + 1)).log"
+done
 
 echo
 echo "================================ summary ================================"
