@@ -680,7 +680,7 @@ def test_the_relay_listens_again_after_its_connection_is_lost(
     again, not fall back to polling for the rest of its life."""
     from django.db import connection
 
-    from django_idempotency.outbox.relay import _Listener
+    from django_idempotency.outbox.store import Listener as _Listener
 
     monkeypatch.setattr(_Listener, "RETRY_EVERY", 0.2)
     transport = RecordingTransport()

@@ -44,6 +44,7 @@ from django_idempotency.events.core import (
     normalize_event_id,
 )
 from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox.store import NOTIFY_CHANNEL
 from django_idempotency.outbox.transports import celery_envelope
 
 if TYPE_CHECKING:
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = ["NOTIFY_CHANNEL", "publish", "send"]
 
-NOTIFY_CHANNEL = "django_idempotency_outbox"
-"""The PostgreSQL ``LISTEN``/``NOTIFY`` channel that wakes relays."""
 
 MAX_NAME_LENGTH = 255
 

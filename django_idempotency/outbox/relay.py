@@ -42,10 +42,11 @@ Waking up
 ``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
 and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
 costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
-(:class:`_Listener`), so a database restart leaves no relay on polling alone.
+(:class:`~django_idempotency.outbox.store.Listener`), so a database restart leaves no relay on
+polling alone.
 
-Why this module is long: the claim, the send and the recording of outcomes share the relay's
-lease and its ordering rules; they read as one loop.
+The SQL of each step (the claim's query and transaction, the writes that record outcomes, the
+``LISTEN`` connection) is in :mod:`django_idempotency.outbox.store`; this module decides.
 """
 
 from __future__ import annotations
@@ -54,33 +55,23 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
 
-from django.db import DatabaseError, connections, transaction
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, F, OuterRef, Q
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import error_text
 from django_idempotency.models import OutboxEntry
-from django_idempotency.outbox.core import NOTIFY_CHANNEL
+from django_idempotency.outbox import store
 from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
 
 __all__ = ["BatchResult", "Relay"]
 
 logger = logging.getLogger(__name__)
 
-PENDING, SENT, PARKED = (
-    OutboxEntry.State.PENDING,
-    OutboxEntry.State.SENT,
-    OutboxEntry.State.PARKED,
-)
-UNSENT = (PENDING, PARKED)
 WAIT_SLICE = 0.5
 """The longest a wait blocks without checking whether the relay was asked to stop."""
 
@@ -174,34 +165,13 @@ class Relay:
     def _claim(self) -> list[OutboxEntry]:
         connection = connections[self.using]
         now = timezone.now()
-        rows = OutboxEntry.objects.using(self.using)
-        # An earlier message of the same key that cannot go now (parked, in backoff, leased by
-        # another relay) holds back the rest of its key: those rows are left out here, so a long
-        # queue behind a blocked head never fills the batch and starves the other keys.
-        blocked_before = rows.filter(
-            ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id")
-        ).filter(
-            Q(state=PARKED)
-            | Q(state=PENDING) & (Q(available_at__gt=now) | Q(locked_until__gte=now))
-        )
-        with _claim_transaction(connection):
-            queryset = (
-                rows.filter(state=PENDING)
-                .filter(Q(available_at__isnull=True) | Q(available_at__lte=now))
-                .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=now))
-                .filter(~Exists(blocked_before))
-                .order_by("id")
-            )
-            if connection.features.has_select_for_update_skip_locked:
-                queryset = queryset.select_for_update(skip_locked=True)
-            candidates = list(queryset[: self.batch_size])
+        with store.claim_transaction(connection):
+            candidates = store.candidates(self.using, now, self.batch_size)
             if not candidates:
                 return []
             chosen = self._in_order(candidates)
             if chosen:
-                OutboxEntry.objects.using(self.using).filter(
-                    id__in=[row.pk for row in chosen]
-                ).update(locked_until=now + self.lease, attempts=F("attempts") + 1)
+                store.lease(self.using, [row.pk for row in chosen], now + self.lease)
         for row in chosen:
             row.attempts += 1
             row.locked_until = now + self.lease
@@ -213,16 +183,10 @@ class Relay:
         keys = {row.ordering_key for row in candidates if row.ordering_key is not None}
         allowed: set[int] = set()
         if keys:
-            unsent = (
-                OutboxEntry.objects.using(self.using)
-                .filter(ordering_key__in=keys, state__in=UNSENT, id__lte=max(by_id))
-                .order_by("id")
-                .values_list("id", "ordering_key")
-            )
+            unsent = store.unsent_of_keys(self.using, keys, max(by_id))
             blocked: set[str] = set()
             transport_of: dict[str, str] = {}
             for pk, key in unsent:
-                assert key is not None  # filtered on ordering_key__in
                 if key in blocked:
                     continue
                 row = by_id.get(pk)
@@ -291,31 +255,20 @@ class Relay:
                 failures.append((row, outcome))
                 if row.ordering_key is not None:
                     failed_keys.add(row.ordering_key)
-        queryset = OutboxEntry.objects.using(self.using)
-        with transaction.atomic(using=self.using):
+        with store.record_transaction(self.using):
             if sent:
-                queryset.filter(id__in=sent).update(
-                    state=SENT,
-                    sent_at=now,
-                    expires_at=now + self.ttl,
-                    locked_until=None,
-                    last_error="",
-                )
+                store.mark_sent(self.using, sent, now, now + self.ttl)
             # A failure is recorded only while the lease is still this relay's: after a takeover
             # the row belongs to the other relay (a sent mark always stands: the broker has it).
             lease = rows[0].locked_until
             if released:
-                queryset.filter(id__in=released, locked_until=lease).update(
-                    locked_until=None, attempts=F("attempts") - 1
-                )
+                store.release(self.using, released, lease)
             for row, error in failures:
                 # Escaped so that every database stores it: left in, a NUL or a lone
                 # surrogate failed this transaction, and with it the batch's sent marks.
                 text = error_text(error)
                 if row.attempts >= self.max_attempts:
-                    queryset.filter(pk=row.pk, locked_until=lease).update(
-                        state=PARKED, locked_until=None, last_error=text
-                    )
+                    store.park(self.using, row.pk, lease, text)
                     result.parked += 1
                     logger.error(
                         "OUTBOX MESSAGE PARKED after %d attempts: event %s to %s (%s). Its "
@@ -327,11 +280,8 @@ class Relay:
                         text,
                     )
                 else:
-                    queryset.filter(pk=row.pk, locked_until=lease).update(
-                        available_at=now + timedelta(seconds=self._delay(row.attempts)),
-                        locked_until=None,
-                        last_error=text,
-                    )
+                    available_at = now + timedelta(seconds=self._delay(row.attempts))
+                    store.retry_later(self.using, row.pk, lease, available_at, text)
                     result.failed += 1
                     logger.warning(
                         "outbox message not sent (attempt %d of %d), retried later: event %s "
@@ -365,7 +315,7 @@ class Relay:
         logged, the connection closed, and the loop goes on after a wait.
         """
         total = BatchResult()
-        listener = _Listener.open(self.using)
+        listener = store.Listener.open(self.using) if conf.OUTBOX_NOTIFY else None
         try:
             while not self._stopping.is_set():
                 try:
@@ -394,7 +344,7 @@ class Relay:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def _wait(self, listener: _Listener | None, seconds: float) -> None:
+    def _wait(self, listener: store.Listener | None, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while not self._stopping.is_set():
             left = deadline - time.monotonic()
@@ -404,116 +354,3 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
-
-
-@contextmanager
-def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """The claim's transaction: ``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL."""
-    if connection.vendor == "sqlite":
-        # Take the write lock first, so two relays serialise instead of both reading the same
-        # rows (SQLite has no SELECT ... FOR UPDATE).
-        if connection.in_atomic_block:
-            with transaction.atomic(using=connection.alias):
-                yield
-            return
-        connection.ensure_connection()
-        with connection.cursor() as cursor:
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                cursor.execute("ROLLBACK")
-                raise
-            cursor.execute("COMMIT")
-        return
-    outermost = not connection.in_atomic_block
-    with transaction.atomic(using=connection.alias):
-        if connection.vendor == "mysql" and outermost:
-            # No gap locks: under REPEATABLE READ, the claim's locking read would block
-            # producers inserting new messages until it commits.
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        yield
-
-
-class _Listener:
-    """A connection of its own that listens on the outbox channel (PostgreSQL only).
-
-    When that connection is lost (a database restart, a failover, a pooler that closed it), or
-    cannot be opened, the relay polls every ``poll_interval`` meanwhile and listens again
-    ``RETRY_EVERY`` seconds later, for as long as it runs: a lost ``LISTEN`` never leaves a
-    relay on polling alone for good. Listening again wakes the relay once, since a message may
-    have been written while nobody listened.
-    """
-
-    RETRY_EVERY = 5.0
-    """Seconds between two attempts to listen again."""
-
-    def __init__(self, using: str) -> None:
-        self.using = using
-        self.wrapper: BaseDatabaseWrapper | None = None
-        self.retry_at = 0.0
-
-    @classmethod
-    def open(cls, using: str) -> _Listener | None:
-        """A listener, listening if it can; None where there is nothing to listen to."""
-        if connections[using].vendor != "postgresql" or not conf.OUTBOX_NOTIFY:
-            return None
-        listener = cls(using)
-        listener._listen()
-        return listener
-
-    @property
-    def listening(self) -> bool:
-        return self.wrapper is not None
-
-    def _listen(self) -> bool:
-        wrapper = connections.create_connection(self.using)
-        try:
-            wrapper.ensure_connection()
-            wrapper.set_autocommit(True)
-            with wrapper.cursor() as cursor:
-                cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        except DatabaseError:
-            logger.warning(
-                "outbox relay: cannot LISTEN; polling meanwhile, trying again in %.0f s",
-                self.RETRY_EVERY,
-                exc_info=True,
-            )
-            wrapper.close()
-            self.retry_at = time.monotonic() + self.RETRY_EVERY
-            return False
-        self.wrapper = wrapper
-        return True
-
-    def wait(self, seconds: float) -> bool:
-        """True if a notification arrived within ``seconds`` (pending ones are drained too),
-        or if the relay should look now because it has just listened again."""
-        if self.wrapper is None:
-            if time.monotonic() >= self.retry_at and self._listen():
-                logger.info("outbox relay: listening again on %s", NOTIFY_CHANNEL)
-                return True
-            time.sleep(seconds)
-            return False
-        raw: Any = self.wrapper.connection
-        try:
-            woke = any(True for _ in raw.notifies(timeout=seconds, stop_after=1))
-            if woke:
-                for _ in raw.notifies(timeout=0.0):
-                    pass
-        except Exception:
-            logger.warning(
-                "outbox relay: LISTEN connection lost; polling meanwhile, listening again in "
-                "%.0f s",
-                self.RETRY_EVERY,
-                exc_info=True,
-            )
-            self.close()
-            self.retry_at = time.monotonic() + self.RETRY_EVERY
-            return True  # a notification may have been lost with the connection: look now
-        return woke
-
-    def close(self) -> None:
-        if self.wrapper is not None:
-            self.wrapper.close()
-            self.wrapper = None
