@@ -230,9 +230,89 @@ def test_a_leased_message_is_not_taken_until_its_lease_runs_out() -> None:
     other = RecordingTransport()
     assert relay(other).run_once().claimed == 0  # leased, and "b" waits behind "a"
     OutboxEntry.objects.update(locked_until=timezone.now() - timedelta(seconds=1))
-    assert relay(other).run_once().sent == 2
+    # Each row whose lease ran out goes alone: it may be the one that killed the relay.
+    assert relay(other).drain().as_dict() == {
+        **BatchResult().as_dict(),
+        "claimed": 2,
+        "sent": 2,
+        "batches": 2,
+    }
+    assert [len(call) for call in other.calls] == [1, 1]
     assert other.sent == ["a", "b"]
     assert OutboxEntry.objects.get(destination="a").attempts == 2  # the lost attempt counts
+
+
+class DiesOn(RecordingTransport):
+    """Sends what comes before the message to ``poison`` in its batch, then the relay "dies"
+    (nothing recorded), as a segfault or an ``os._exit`` in a client library would."""
+
+    def __init__(self, poison: str) -> None:
+        super().__init__()
+        self.poison = poison
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        self.calls.append(list(messages))
+        if any(m.destination == self.poison for m in messages):
+            raise KeyboardInterrupt
+        return [None] * len(messages)
+
+
+def expire_leases() -> None:
+    OutboxEntry.objects.filter(locked_until__isnull=False).update(
+        locked_until=timezone.now() - timedelta(seconds=1)
+    )
+
+
+def test_a_message_that_kills_the_relay_is_parked_at_claim_once_its_attempts_are_used() -> None:
+    """Issue 25 item 5: parking happened only when an outcome was recorded, so a message whose
+    send killed the relay was sent for ever, and took its healthy batch-mates with it."""
+    write("poison", key="bad")
+    write("then", key="bad")
+    write("healthy", key="good")
+    transport = DiesOn("poison")
+    deaths = 0
+    for _ in range(10):
+        try:
+            result = relay(transport, max_attempts=3).drain()
+        except KeyboardInterrupt:
+            deaths += 1
+            expire_leases()
+            continue
+        break
+    assert deaths == 3
+    assert result.parked == 1
+    row = OutboxEntry.objects.get(destination="poison")
+    assert (row.state, row.attempts, row.locked_until) == ("parked", 3, None)
+    assert "lease ran out 3 times" in row.last_error
+    # The healthy message went out with the first (fatal) batch only, then alone, once.
+    sends = [m.destination for call in transport.calls for m in call]
+    assert sends.count("poison") == 3
+    assert sends.count("healthy") == 2  # the fatal batch, then its own batch
+    assert states() == {"poison": "parked", "then": "pending", "healthy": "sent"}
+    # The poison message holds back its own key only, until it is requeued.
+    assert relay(RecordingTransport()).drain().claimed == 0
+
+
+def test_a_suspect_goes_alone_and_its_batch_mates_are_not_resent_each_death() -> None:
+    write("poison", key="bad")
+    write(*[f"ok-{n}" for n in range(5)], key="fine")
+    write(*[f"free-{n}" for n in range(5)])
+    transport = DiesOn("poison")
+    deaths = 0
+    for _ in range(20):
+        try:
+            relay(transport, max_attempts=5).drain()
+        except KeyboardInterrupt:
+            deaths += 1
+            expire_leases()
+            continue
+        break
+    assert deaths == 5
+    sends = [m.destination for call in transport.calls for m in call]
+    assert sends.count("poison") == 5
+    # Each healthy message: once in the fatal first batch, and once alone or in a later batch.
+    assert all(sends.count(d) <= 2 for d in sends if d != "poison"), sends
+    assert OutboxEntry.objects.exclude(destination="poison").filter(state="sent").count() == 10
 
 
 def test_a_key_spanning_two_transports_keeps_its_order() -> None:

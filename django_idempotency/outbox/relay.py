@@ -63,7 +63,7 @@ from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import error_text
+from django_idempotency.exceptions import error_text, log_text
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import store
 from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
@@ -136,13 +136,17 @@ class Relay:
         self.ttl = conf.OUTBOX_TTL
         self._transports = dict(transports) if transports is not None else None
         self._stopping = threading.Event()
+        self._left_behind = False
+        """Whether the last claim left due rows for the next batch (it sent a suspect alone)."""
 
     # --- One batch ----------------------------------------------------------------------------
 
     def run_once(self) -> BatchResult:
         """Claim, send and record one batch; returns what it did (all zeros when idle)."""
-        claimed = self._claim()
-        result = BatchResult(claimed=len(claimed), batches=1 if claimed else 0)
+        result = BatchResult()
+        claimed = self._claim(result)
+        result.claimed = len(claimed)
+        result.batches = 1 if claimed else 0
         if not claimed:
             return result
         outcomes = self._send(claimed)
@@ -156,26 +160,99 @@ class Relay:
         while not self._stopping.is_set():
             result = self.run_once()
             total.add(result)
-            if not result.sent and result.claimed < self.batch_size:
+            if not self._more_due(result):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return total
 
-    def _claim(self) -> list[OutboxEntry]:
+    def _more_due(self, result: BatchResult) -> bool:
+        """Whether another batch may find something due at once."""
+        return bool(
+            result.sent
+            or result.parked
+            or result.claimed >= self.batch_size
+            or (result.claimed and self._left_behind)
+        )
+
+    def _claim(self, result: BatchResult | None = None) -> list[OutboxEntry]:
         connection = connections[self.using]
         now = timezone.now()
+        self._left_behind = False
         with store.claim_transaction(connection):
             candidates = store.candidates(self.using, now, self.batch_size)
             if not candidates:
                 return []
-            chosen = self._in_order(candidates)
+            candidates = self._park_lost(candidates, result)
+            chosen = self._choose(candidates)
             if chosen:
                 store.lease(self.using, [row.pk for row in chosen], now + self.lease)
         for row in chosen:
             row.attempts += 1
             row.locked_until = now + self.lease
         return chosen
+
+    def _park_lost(
+        self, candidates: list[OutboxEntry], result: BatchResult | None
+    ) -> list[OutboxEntry]:
+        """Park the candidates whose every attempt ended in a lost lease; returns the others.
+
+        A row whose lease ran out (``locked_until`` set and past: every recorded outcome clears
+        it) was claimed by a relay that never recorded it: the relay died while sending (OOM, a
+        segfault in a client library, ``os._exit``) or hung past the lease. Its ``attempts``
+        went up at each claim, but parking used to happen only when an outcome was recorded,
+        so a message that kills the relay was sent for ever. Here it is parked once its
+        attempts are used up, as a recorded failure would be.
+        """
+        kept: list[OutboxEntry] = []
+        for row in candidates:
+            if row.locked_until is None or row.attempts < self.max_attempts:
+                kept.append(row)
+                continue
+            text = (
+                f"The relay's lease ran out {row.attempts} times without an outcome: a relay "
+                "died or hung while sending this message (out of memory, a crash in the "
+                "transport, a send that never returns)."
+            )
+            store.park(self.using, row.pk, row.locked_until, text)
+            if result is not None:
+                result.parked += 1
+            logger.error(
+                "OUTBOX MESSAGE PARKED after %d attempts with no outcome (the relay died or "
+                "hung while sending it): event %s to %s (%s). Its ordering key waits until it is "
+                "requeued in the admin.",
+                row.attempts,
+                log_text(row.event_id),
+                log_text(row.destination),
+                log_text(row.transport),
+            )
+        return kept
+
+    def _choose(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
+        """The batch: a suspect alone, or rows that never lost a lease.
+
+        A suspect is a row whose last lease ran out without an outcome: it may be the message
+        that killed the relay. Sent alone, it can only take down batches of its own, so its
+        healthy batch-mates on other keys are not sent again at each death (only once, with the
+        batch in which it first killed the relay), and it holds back only its own key.
+        """
+        allowed = self._in_order(candidates)
+        batch: list[OutboxEntry] = []
+        held: set[str] = set()  # keys with a suspect that waits for a batch of its own
+        seen: set[str] = set()
+        for row in allowed:
+            key = row.ordering_key
+            if row.locked_until is not None:
+                if key is None or key not in seen:  # nothing of its key goes before it
+                    batch = [row]
+                    break
+                held.add(key)
+            elif key is None or key not in held:
+                batch.append(row)
+            if key is not None:
+                seen.add(key)
+        self._left_behind = len(batch) < len(allowed)
+        return batch
 
     def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
         """The candidates that may go now without overtaking an unsent message of their key."""
@@ -274,9 +351,9 @@ class Relay:
                         "OUTBOX MESSAGE PARKED after %d attempts: event %s to %s (%s). Its "
                         "ordering key waits until it is requeued in the admin. Last error: %s",
                         row.attempts,
-                        row.event_id,
-                        row.destination,
-                        row.transport,
+                        log_text(row.event_id),
+                        log_text(row.destination),
+                        log_text(row.transport),
                         text,
                     )
                 else:
@@ -288,8 +365,8 @@ class Relay:
                         "to %s: %s",
                         row.attempts,
                         self.max_attempts,
-                        row.event_id,
-                        row.destination,
+                        log_text(row.event_id),
+                        log_text(row.destination),
                         text,
                     )
         result.sent += len(sent)
@@ -328,7 +405,7 @@ class Relay:
                 total.add(result)
                 if on_batch is not None and result.claimed:
                     on_batch(result)
-                if result.sent or result.claimed >= self.batch_size:
+                if self._more_due(result):
                     continue
                 self._wait(listener, poll_interval)
         finally:
