@@ -483,7 +483,7 @@ def test_two_relays_in_threads_send_each_message_once_in_key_order() -> None:
     def run() -> None:
         try:
             Relay(transports={"default": Shared()}, batch_size=7).drain()
-        except BaseException as exc:  # collected: a thread's exception must fail the test
+        except BaseException as exc:  # noqa: BLE001 (collected, and the test fails on it)
             errors.append(exc)
         finally:
             close_old_connections()
@@ -780,3 +780,54 @@ def test_the_relay_listens_again_after_its_connection_is_lost(
         assert wait_for(lambda: listener_pids() not in ([], [lost]))
         write("after the loss")
         assert wait_for(lambda: transport.sent == ["after the loss"]), "polling only"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_relay_reads_its_notifications_after_every_batch() -> None:
+    """Issue 25 item 6: ``serve()`` read notifications only when idle. While a backlog was
+    worked, each producer commit left one unread on the ``LISTEN`` socket; once the socket
+    fills, the listening backend stops reading PostgreSQL's notification queue, and when that
+    is full every COMMIT that writes to the outbox fails. Here a producer commits during each
+    batch, and after each batch nothing is left unread."""
+    import select
+
+    write(*[f"backlog-{n}" for n in range(20)])
+    unread_after_batch: list[bool] = []
+    subject: Relay
+
+    def socket_of_listener() -> int:
+        assert subject.listener is not None and subject.listener.wrapper is not None
+        return int(subject.listener.wrapper.connection.fileno())
+
+    class Producing(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            if len(self.calls) < 4:
+                write(f"during-{len(self.calls)}")  # commits: a NOTIFY reaches the listener
+                readable, _, _ = select.select([socket_of_listener()], [], [], 10)
+                assert readable, "the producer's notification never reached the listener"
+            return super().send(messages)
+
+    def on_batch(result: BatchResult) -> None:
+        readable, _, _ = select.select([socket_of_listener()], [], [], 0)
+        unread_after_batch.append(bool(readable))
+
+    transport = Producing()
+    subject = relay(transport, batch_size=5)
+
+    def serve() -> None:
+        try:
+            subject.serve(poll_interval=60.0, on_batch=on_batch)
+        finally:
+            close_conns()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert wait_for(lambda: len(transport.sent) == 24, 30), transport.sent
+    finally:
+        subject.stop()
+        thread.join(15)
+    assert not thread.is_alive()
+    assert len(unread_after_batch) >= 4
+    assert not any(unread_after_batch), unread_after_batch

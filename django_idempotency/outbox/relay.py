@@ -136,6 +136,8 @@ class Relay:
         self.ttl = conf.OUTBOX_TTL
         self._transports = dict(transports) if transports is not None else None
         self._stopping = threading.Event()
+        self.listener: store.Listener | None = None
+        """The ``LISTEN`` connection while :meth:`serve` runs (PostgreSQL)."""
         self._left_behind = False
         """Whether the last claim left due rows for the next batch (it sent a suspect alone)."""
 
@@ -393,6 +395,7 @@ class Relay:
         """
         total = BatchResult()
         listener = store.Listener.open(self.using) if conf.OUTBOX_NOTIFY else None
+        self.listener = listener
         try:
             while not self._stopping.is_set():
                 try:
@@ -403,12 +406,19 @@ class Relay:
                     self._wait(None, poll_interval)
                     continue
                 total.add(result)
+                if listener is not None:
+                    # After every batch, not only when idle: unread, the notifications of a
+                    # backlog's producer commits fill the socket, the listening backend stops
+                    # reading PostgreSQL's notification queue, and once that queue is full
+                    # every COMMIT that writes to the outbox fails.
+                    listener.drain()
                 if on_batch is not None and result.claimed:
                     on_batch(result)
                 if self._more_due(result):
                     continue
                 self._wait(listener, poll_interval)
         finally:
+            self.listener = None
             if listener is not None:
                 listener.close()
         return total

@@ -319,6 +319,12 @@ class Listener:
             return True  # a notification may have been lost with the connection: look now
         return woke
 
+    def drain(self) -> None:
+        """Read the notifications that have arrived, without waiting (the relay is about to
+        look at the outbox anyway). A lost connection is handled as :meth:`wait` does."""
+        if self.wrapper is not None:
+            self.wait(0.0)
+
     def close(self) -> None:
         if self.wrapper is not None:
             self.wrapper.close()
