@@ -575,6 +575,30 @@ def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
     assert check_id in ids
 
 
+@pytest.mark.parametrize(
+    ("backend", "module", "extra"),
+    [
+        ("django_idempotency.outbox.transports.CeleryTransport", "celery", "celery"),
+        ("tests.outbox_helpers.TimedTransport", "celery", "celery"),  # a subclass
+        ("django_idempotency.kafka.transport.KafkaTransport", "confluent_kafka", "kafka"),
+    ],
+)
+def test_a_transport_whose_library_is_missing_fails_check_e033_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, backend: str, module: str, extra: str
+) -> None:
+    """Issue 25 item 17: a bare install (no Celery) with an outbox used the Celery transport
+    anyway; the relay failed with a raw ModuleNotFoundError 20 times, then parked."""
+    import sys
+
+    value = {"default": {"BACKEND": backend}}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
+        assert "django_idempotency.E033" not in [m.id for m in run_checks()]
+        monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+        (message,) = [m for m in run_checks() if m.id == "django_idempotency.E033"]
+    assert f"needs {module}" in message.msg
+    assert f"django-idempotency[{extra}]" in str(message.hint)
+
+
 def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
     value = {
         "default": {
