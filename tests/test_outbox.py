@@ -277,3 +277,36 @@ def test_the_kill_after_commit_probe_refuses_outside_the_test_server(client: Any
     )
     assert response.status_code == 403
     assert not OutboxEntry.objects.exists()
+
+
+def test_a_message_over_the_payload_limit_is_refused_and_writes_nothing() -> None:
+    """Issue 25 item 16: a payload over MariaDB's ``max_allowed_packet`` dropped the
+    connection mid-transaction ("server has gone away"). Every backend now refuses a message
+    over ``OUTBOX_MAX_PAYLOAD_BYTES`` (payload and headers, as UTF-8 JSON) first."""
+    with override_settings(IDEMPOTENCY={"OUTBOX_MAX_PAYLOAD_BYTES": 100}):
+        at_limit = "é" * 46  # '"' + 92 bytes + '"' = 94, with headers "{}" = 96 bytes
+        with transaction.atomic():
+            outbox.send("t", at_limit, headers={})
+            with pytest.raises(ValueError, match=r"is 102 bytes .* the most is 100 "):
+                outbox.send("t", "é" * 49)
+            with pytest.raises(ValueError, match="OUTBOX_MAX_PAYLOAD_BYTES"):
+                outbox.send("t", "x", headers={"h": "y" * 100})
+    assert list(OutboxEntry.objects.values_list("payload", flat=True)) == [at_limit]
+
+
+def test_the_default_payload_limit_is_one_mebibyte() -> None:
+    with transaction.atomic():
+        outbox.send("t", "x" * (1024 * 1024 - 10))
+        with pytest.raises(ValueError, match="the most is 1048576"):
+            outbox.send("t", "x" * (1024 * 1024))
+    assert OutboxEntry.objects.count() == 1
+
+
+@pytest.mark.parametrize("value", [0, -1, "1MB", 1.5, True])
+def test_a_bad_payload_limit_is_improperly_configured(value: Any) -> None:
+    with (
+        override_settings(IDEMPOTENCY={"OUTBOX_MAX_PAYLOAD_BYTES": value}),
+        transaction.atomic(),
+        pytest.raises(ImproperlyConfigured, match="OUTBOX_MAX_PAY"),
+    ):
+        outbox.send("t", {})

@@ -36,7 +36,7 @@ from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
-from django_idempotency.conf import conf
+from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import (
     EventId,
     find_event_id,
@@ -116,7 +116,8 @@ def send(
     :param event_id: the event id; default a new UUIDv7.
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
-    :raises ValueError: an empty or too long name, key or event id; nothing is written.
+    :raises ValueError: an empty or too long name, key or event id, or a message (payload and
+        headers as UTF-8 JSON) over ``OUTBOX_MAX_PAYLOAD_BYTES``; nothing is written.
     :raises TypeError: a payload or headers that are not JSON the database stores (NaN or
         infinity, a lone surrogate, a NUL on PostgreSQL), headers that are not strings.
     :raises ImproperlyConfigured: ``transport`` is not configured.
@@ -131,14 +132,22 @@ def send(
         )
     event = str(new_event_id()) if event_id is None else normalize_event_id(event_id)
     vendor = connection.vendor
-    payload = _json("payload", payload, vendor)
+    payload, payload_size = _json("payload", payload, vendor)
+    headers_value, headers_size = _json("headers", _headers(headers), vendor)
+    limit = conf.OUTBOX_MAX_PAYLOAD_BYTES
+    if payload_size + headers_size > limit:
+        raise ValueError(
+            f"The outbox message is {payload_size + headers_size} bytes as JSON (payload and "
+            f"headers); the most is {limit} ({SETTING_NAME}['OUTBOX_MAX_PAYLOAD_BYTES']). "
+            "Store a large document elsewhere and send its reference."
+        )
     values = {
         "event_id": event,
         "destination": _name("destination", destination),
         "transport": _transport(transport),
         # None is JSON null: left bare, it would be SQL NULL, which the column refuses.
         "payload": Value(None, JSONField()) if payload is None else payload,
-        "headers": _json("headers", _headers(headers), vendor),
+        "headers": headers_value,
         "ordering_key": None if key is None else _name("ordering key", key),
         "state": OutboxEntry.State.PENDING,
         "attempts": 0,
@@ -183,22 +192,22 @@ def _transport(name: object) -> str:
     return name
 
 
-def _json(what: str, value: Any, vendor: str) -> Any:
-    """``value``, once it is JSON that the database stores: strict JSON (``json.dumps`` writes
-    NaN and infinity, which no JSON column accepts), and outside SQLite no lone surrogate
-    (PostgreSQL and MySQL refuse one in JSON), and on PostgreSQL no NUL character (``jsonb``
-    refuses ``\\u0000``). Left to the INSERT, each of these raised a database error instead,
-    which on PostgreSQL aborts the caller's transaction.
+def _json(what: str, value: Any, vendor: str) -> tuple[Any, int]:
+    """``value`` and its size as UTF-8 JSON, once it is JSON that the database stores: strict
+    JSON (``json.dumps`` writes NaN and infinity, which no JSON column accepts), and outside
+    SQLite no lone surrogate (PostgreSQL and MySQL refuse one in JSON), and on PostgreSQL no
+    NUL character (``jsonb`` refuses ``\\u0000``). Left to the INSERT, each of these raised a
+    database error instead, which on PostgreSQL aborts the caller's transaction.
     """
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"The {what} must be JSON-serialisable: {exc}.") from exc
-    if vendor == "sqlite":
-        return value
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
+        if vendor == "sqlite":
+            return value, len(text.encode("utf-8", "surrogatepass"))
         raise TypeError(
             f"The {what} holds a lone surrogate ({exc.object[exc.start : exc.end]!r}), which "
             f"{vendor} cannot store in JSON."
@@ -209,7 +218,7 @@ def _json(what: str, value: Any, vendor: str) -> Any:
         raise TypeError(
             f"The {what} holds a NUL character (\\u0000), which PostgreSQL cannot store in JSON."
         )
-    return value
+    return value, size
 
 
 def _headers(headers: Mapping[str, str] | None) -> dict[str, str]:
