@@ -310,3 +310,28 @@ def test_a_bad_payload_limit_is_improperly_configured(value: Any) -> None:
         pytest.raises(ImproperlyConfigured, match="OUTBOX_MAX_PAY"),
     ):
         outbox.send("t", {})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ([1, 2, 3], None, "do not fit the task's signature"),
+        (None, {"nope": 1}, "do not fit the task's signature"),
+        (None, None, "do not fit the task's signature"),  # `event` is required
+        ("ab", None, "must be a list or tuple"),
+        (b"ab", None, "must be a list or tuple"),
+        ([{"order_id": 1}], ["x"], "kwargs must be a mapping"),
+    ],
+)
+def test_publish_refuses_a_call_the_task_can_never_run(args: Any, kwargs: Any, match: str) -> None:
+    """Issue 25 item 14: stored unchecked, the worker failed every delivery with TypeError."""
+    with transaction.atomic(), pytest.raises(TypeError, match=match):
+        outbox.publish(apply_order_confirmed, args=args, kwargs=kwargs)
+    assert OutboxEntry.objects.count() == 0
+
+
+def test_publish_accepts_a_call_that_fits_the_bound_task() -> None:
+    with transaction.atomic():
+        outbox.publish(apply_order_confirmed, args=[{"order_id": 1}])
+        outbox.publish(apply_order_confirmed, kwargs={"event": {"order_id": 2}})
+    assert OutboxEntry.objects.count() == 2

@@ -75,8 +75,14 @@ def publish(
     :class:`~django_idempotency.events.celery.IdempotentConsumer` finds it.
 
     :param task: the task, or its registered name.
-    :param args: positional arguments (JSON-serialisable).
+    :param args: positional arguments (JSON-serialisable), a list or tuple; a string is refused.
     :param kwargs: keyword arguments (JSON-serialisable).
+
+    A task given as an object has its arguments checked against its signature, as
+    ``apply_async`` does (not when the task has ``typing=False``); a task given by name cannot
+    be checked. Values are stored as JSON, and what ``json.dumps`` cannot write is refused with
+    ``TypeError``: a ``datetime``, ``UUID`` or ``Decimal``, which Celery's own JSON serializer
+    would encode, must be passed as a string here (``isoformat()``, ``str()``).
     :param key: the ordering key: messages with one key are sent in the order written.
     :param headers: extra message headers (strings).
     :param transport: a name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``.
@@ -84,8 +90,17 @@ def publish(
     :param options: ``queue``, ``routing_key``, ``exchange``, ``priority`` or ``expires``.
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
+    :raises TypeError: arguments that do not fit the task, a string ``args``, or a value that
+        is not JSON.
     """
     name = task if isinstance(task, str) else str(task.name)
+    if isinstance(args, (str, bytes)) or not isinstance(args, (Sequence, type(None))):
+        # list("ab") is ["a", "b"]: a string was stored as one argument per character.
+        raise TypeError(f"args must be a list or tuple of arguments, not {args!r:.100}.")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping, not {kwargs!r:.100}.")
+    if not isinstance(task, str):
+        _check_arguments(task, args, kwargs)
     envelope = celery_envelope(args, kwargs, options)
     found = find_event_id(tuple(envelope["args"]), envelope["kwargs"])
     return send(
@@ -172,6 +187,28 @@ def send(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
     return event
+
+
+def _check_arguments(
+    task: Task[Any, Any], args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> None:
+    """Refuse a call the task can never run, as ``apply_async`` does: Celery binds the
+    arguments to the task's signature (``Task.__header__``, built by
+    ``celery.utils.functional.head_from_fun``, which leaves out ``self`` of a bound task)
+    unless the task says ``typing=False``. Stored unchecked, ``publish(task, args=[1, 2, 3])``
+    for a two-argument task was sent, and every worker then failed it with ``TypeError``."""
+    if not getattr(task, "typing", True):
+        return
+    check = getattr(task, "__header__", None)
+    if not callable(check):
+        return
+    try:
+        check(*(args or ()), **(kwargs or {}))
+    except TypeError as exc:
+        raise TypeError(
+            f"publish({getattr(task, 'name', task)!r}): the arguments do not fit the task's "
+            f"signature: {exc}."
+        ) from exc
 
 
 def _name(what: str, value: object) -> str:
