@@ -335,3 +335,41 @@ def test_publish_accepts_a_call_that_fits_the_bound_task() -> None:
         outbox.publish(apply_order_confirmed, args=[{"order_id": 1}])
         outbox.publish(apply_order_confirmed, kwargs={"event": {"order_id": 2}})
     assert OutboxEntry.objects.count() == 2
+
+
+class Validating:
+    """A transport that refuses a destination it cannot serve, at send time."""
+
+    def send(self, messages: Any) -> list[BaseException | None]:
+        return [None] * len(messages)
+
+    def close(self) -> None:
+        pass
+
+    def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
+        if not isinstance(payload, dict) or "args" not in payload:
+            raise ValueError(f"{destination}: not a task call")
+
+
+def test_a_transport_with_validate_message_refuses_what_it_can_never_send() -> None:
+    """Issue 25 item 15: stored anyway, such a message was retried for an hour, holding back
+    its key. A transport without the method is not asked (nor built) in the producer."""
+    from django_idempotency.outbox.transports import close_transports
+
+    transports = {
+        "default": {"BACKEND": "tests.test_outbox.Validating"},
+        "plain": {"BACKEND": "tests.test_relay.RecordingTransport"},
+    }
+    try:
+        with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
+            with transaction.atomic(), pytest.raises(ValueError, match="not a task call"):
+                outbox.send("shop.effect", {"order_id": 1})
+            with transaction.atomic():
+                outbox.send("shop.effect", {"args": [], "kwargs": {}})
+                outbox.send("anything", {"order_id": 1}, transport="plain")
+    finally:
+        close_transports()
+    assert sorted(OutboxEntry.objects.values_list("destination", flat=True)) == [
+        "anything",
+        "shop.effect",
+    ]

@@ -35,6 +35,7 @@ from django.db import connections
 from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
 from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import (
@@ -45,7 +46,7 @@ from django_idempotency.events.core import (
 )
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox.store import NOTIFY_CHANNEL
-from django_idempotency.outbox.transports import celery_envelope
+from django_idempotency.outbox.transports import celery_envelope, get_transport
 
 if TYPE_CHECKING:
     from celery import Task
@@ -136,6 +137,9 @@ def send(
     :raises TypeError: a payload or headers that are not JSON the database stores (NaN or
         infinity, a lone surrogate, a NUL on PostgreSQL), headers that are not strings.
     :raises ImproperlyConfigured: ``transport`` is not configured.
+
+    The transport may refuse the message here with ``TypeError`` or ``ValueError``, when it
+    defines ``validate_message`` (see :func:`_validate`).
     """
     alias = using if using is not None else conf.DATABASE
     connection = connections[alias]
@@ -146,9 +150,12 @@ def send(
             "Outside one, the message would commit on its own."
         )
     event = str(new_event_id()) if event_id is None else normalize_event_id(event_id)
+    destination = _name("destination", destination)
+    transport = _transport(transport)
     vendor = connection.vendor
     payload, payload_size = _json("payload", payload, vendor)
     headers_value, headers_size = _json("headers", _headers(headers), vendor)
+    _validate(transport, destination, payload, headers_value)
     limit = conf.OUTBOX_MAX_PAYLOAD_BYTES
     if payload_size + headers_size > limit:
         raise ValueError(
@@ -158,8 +165,8 @@ def send(
         )
     values = {
         "event_id": event,
-        "destination": _name("destination", destination),
-        "transport": _transport(transport),
+        "destination": destination,
+        "transport": transport,
         # None is JSON null: left bare, it would be SQL NULL, which the column refuses.
         "payload": Value(None, JSONField()) if payload is None else payload,
         "headers": headers_value,
@@ -187,6 +194,25 @@ def send(
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
     return event
+
+
+def _validate(name: str, destination: str, payload: Any, headers: dict[str, str]) -> None:
+    """Let the message's transport refuse a message it can never send, now rather than after
+    an hour of retries that hold back its key (``send("shop.effect", {"order_id": 1})`` to a
+    Celery destination, whose payload is no task call).
+
+    A transport class may define ``validate_message(destination, payload, headers)``, raising
+    ``TypeError`` or ``ValueError``. Only then is the transport built in this process (once, as
+    the relay builds it); a transport without the method is not built here.
+    """
+    backend = conf.OUTBOX_TRANSPORTS[name]["BACKEND"]
+    try:
+        cls = import_string(backend)
+    except ImportError:
+        return  # check E030 reports it, and the relay fails the message with the reason
+    if not callable(getattr(cls, "validate_message", None)):
+        return
+    get_transport(name).validate_message(destination, payload, headers)  # type: ignore[attr-defined]
 
 
 def _check_arguments(
