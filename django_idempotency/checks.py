@@ -19,6 +19,8 @@ django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines pro
 django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
 django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
 django_idempotency.E032 An ``OUTBOX_TRANSPORTS`` backend does not take its ``OPTIONS``.
+django_idempotency.E033 An ``OUTBOX_TRANSPORTS`` backend needs a library that is not installed
+                        (Celery, confluent-kafka): the check names the extra to install.
 django_idempotency.E040 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
 django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 ======================  =====================================================================
@@ -26,6 +28,7 @@ django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is 
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from datetime import timedelta
 from typing import Any
@@ -169,6 +172,28 @@ def check_binary_collation(
     return messages
 
 
+#: The library each built-in transport imports when it sends, and the extra that installs it.
+TRANSPORT_LIBRARIES = {
+    "django_idempotency.outbox.transports.CeleryTransport": ("celery", "celery"),
+    "django_idempotency.kafka.transport.KafkaTransport": ("confluent_kafka", "kafka"),
+}
+
+
+def _missing_library(cls: Any) -> tuple[str, str] | None:
+    """(module, extra) when ``cls`` is, or extends, a built-in transport whose library is not
+    installed. The transports import it only when they send, so importing ``cls`` says
+    nothing."""
+    for klass in getattr(cls, "__mro__", ()):
+        needed = TRANSPORT_LIBRARIES.get(f"{klass.__module__}.{klass.__qualname__}")
+        if needed is not None:
+            try:
+                found = importlib.util.find_spec(needed[0]) is not None
+            except (ImportError, ValueError):
+                found = False
+            return None if found else needed
+    return None
+
+
 @register(Tags.compatibility)
 def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
     """Each configured outbox transport's BACKEND imports and looks like a transport."""
@@ -200,6 +225,19 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
                     "is not an outbox transport: it lacks send(messages) or close().",
                     hint="See django_idempotency.outbox.transports.Transport for the interface.",
                     id="django_idempotency.E031",
+                )
+            )
+            continue
+        missing = _missing_library(cls)
+        if missing is not None:
+            module, extra = missing
+            messages.append(
+                Error(
+                    f"{SETTING_NAME}['OUTBOX_TRANSPORTS'][{name!r}]['BACKEND'] = {backend!r} "
+                    f"needs {module}, which is not installed.",
+                    hint=f"pip install 'django-idempotency[{extra}]'. Without it the relay "
+                    "fails every message of this transport until each is parked.",
+                    id="django_idempotency.E033",
                 )
             )
             continue

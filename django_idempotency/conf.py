@@ -330,6 +330,11 @@ OPTIONS: dict[str, Option] = {
     "OUTBOX_MAX_ATTEMPTS": Option(
         20, _positive_int(), "Send attempts of one outbox message before it is parked."
     ),
+    "OUTBOX_MAX_PAYLOAD_BYTES": Option(
+        1024 * 1024,
+        _positive_int(),
+        "The largest outbox message (payload and headers as UTF-8 JSON) send() accepts.",
+    ),
     "OUTBOX_NOTIFY": Option(
         True, _boolean, "On PostgreSQL, wake the relay with NOTIFY when a message commits."
     ),
@@ -476,6 +481,10 @@ class IdempotencySettings:
     @property
     def OUTBOX_MAX_ATTEMPTS(self) -> int:
         return self.value("OUTBOX_MAX_ATTEMPTS")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_MAX_PAYLOAD_BYTES(self) -> int:
+        return self.value("OUTBOX_MAX_PAYLOAD_BYTES")  # type: ignore[no-any-return]
 
     @property
     def OUTBOX_NOTIFY(self) -> bool:

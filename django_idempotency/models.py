@@ -197,6 +197,18 @@ class EventDelivery(models.Model):
         return f"{self.consumer}: {self.event_id} ({self.deliveries} deliveries)"
 
 
+OUTBOX_TOUCHED = ~models.Q(state="sent") & (
+    models.Q(state="parked")
+    | models.Q(available_at__isnull=False)
+    | models.Q(locked_until__isnull=False)
+)
+"""Unsent outbox rows that a relay has touched: leased, backing off, or parked. Only these can
+hold back the rest of their key, and in a backlog they are few (a batch or two in flight, the
+failures), so the claim's per-candidate look at them, through the partial index
+``idem_outbox_touched_idx`` (migration ``0011_outbox_claim_indexes``, on PostgreSQL and SQLite),
+stays cheap however many rows are pending. Keep the two in step."""
+
+
 class OutboxEntry(models.Model):
     """A message written in the producer's transaction and sent by the relay once it commits."""
 

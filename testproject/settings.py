@@ -18,6 +18,7 @@ Configured from the environment with django-environ:
   closed (tests/conftest.py).
 
 * ``IDEMPOTENCY_OUTBOX_TRANSPORTS``: ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]`` as JSON (optional).
+* ``IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS``: ``IDEMPOTENCY["OUTBOX_MAX_ATTEMPTS"]`` (optional).
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ IDEMPOTENCY: dict[str, object] = {}
 # The outbox's transports, as JSON (the outbox proofs start relays with their own).
 if env("IDEMPOTENCY_OUTBOX_TRANSPORTS", default=""):
     IDEMPOTENCY["OUTBOX_TRANSPORTS"] = json.loads(env("IDEMPOTENCY_OUTBOX_TRANSPORTS"))
+if env("IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS", default=""):
+    IDEMPOTENCY["OUTBOX_MAX_ATTEMPTS"] = env.int("IDEMPOTENCY_OUTBOX_MAX_ATTEMPTS")
 
 PSP_URL = env("PSP_URL", default="http://127.0.0.1:8010")
 

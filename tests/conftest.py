@@ -139,6 +139,20 @@ def psp(psp_server: Provider) -> Iterator[Provider]:
         yield psp_server
 
 
+@pytest.fixture
+def null_default_transport() -> Iterator[None]:
+    """``OUTBOX_TRANSPORTS["default"]`` is :class:`tests.outbox_helpers.NullTransport`, which
+    takes any payload, for tests of the outbox itself that ``send()`` plain topic messages."""
+    from django.conf import settings
+    from django.test import override_settings
+
+    from tests.outbox_helpers import NULL_TRANSPORTS
+
+    transports = {**settings.IDEMPOTENCY.get("OUTBOX_TRANSPORTS", {}), **NULL_TRANSPORTS}
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "OUTBOX_TRANSPORTS": transports}):
+        yield
+
+
 @pytest.fixture(scope="session")
 def kafka_cluster() -> Iterator[Cluster]:
     """A Kafka cluster for the whole run: librdkafka's mock cluster, or the broker named by

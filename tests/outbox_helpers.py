@@ -245,3 +245,68 @@ class TimedTransport(CeleryTransport):
         for index in self._in_flight:
             self._acked[index] = now
         self._in_flight = []
+
+
+class FileTransport:
+    """Writes each message's destination to the file ``log``, one line each, as it "sends"
+    it; a message whose destination is in ``poison`` does what a crashing client library
+    does to the relay: ``exit`` calls ``os._exit(3)``, ``hang`` writes ``!hang:DESTINATION``
+    and sleeps past any lease, and ``raise`` raises."""
+
+    def __init__(self, *, log: str, poison: Mapping[str, str] | None = None) -> None:
+        self.log = log
+        self.poison = dict(poison or {})
+
+    def send(self, messages: Any) -> list[BaseException | None]:
+        results: list[BaseException | None] = []
+        failed: set[str] = set()  # a key stops at its first failure, as a real transport's does
+        for message in messages:
+            if message.ordering_key in failed:
+                results.append(RuntimeError("behind a failure of its key"))
+                continue
+            how = self.poison.get(message.destination)
+            if how == "exit":
+                os._exit(3)
+            if how == "hang":
+                with open(self.log, "a") as out:
+                    out.write(f"!hang:{message.destination}\n")
+                time.sleep(3600)
+            if how == "raise":
+                results.append(RuntimeError(f"poison {message.destination}"))
+                if message.ordering_key is not None:
+                    failed.add(message.ordering_key)
+                continue
+            with open(self.log, "a") as out:
+                out.write(message.destination + "\n")
+            results.append(None)
+        return results
+
+    def close(self) -> None:
+        pass
+
+
+def file_transports(log: Path, poison: Mapping[str, str] | None = None) -> str:
+    """``IDEMPOTENCY_OUTBOX_TRANSPORTS`` for one :class:`FileTransport`."""
+    return json.dumps(
+        {
+            "default": {
+                "BACKEND": "tests.outbox_helpers.FileTransport",
+                "OPTIONS": {"log": str(log), "poison": dict(poison or {})},
+            }
+        }
+    )
+
+
+class NullTransport:
+    """A transport that takes any message and sends nothing: the default of tests that write
+    topic messages with ``send()`` and relay them through a transport of their own (the Celery
+    transport, the settings' default, refuses a payload that is no task call)."""
+
+    def send(self, messages: Any) -> list[BaseException | None]:
+        return [None] * len(messages)
+
+    def close(self) -> None:
+        pass
+
+
+NULL_TRANSPORTS = {"default": {"BACKEND": "tests.outbox_helpers.NullTransport"}}

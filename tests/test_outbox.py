@@ -21,8 +21,9 @@ from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Order
 from testproject.shop.tasks import apply_order_confirmed
+from tests.outbox_helpers import NULL_TRANSPORTS
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("null_default_transport")]
 
 
 def only_row() -> OutboxEntry:
@@ -277,3 +278,100 @@ def test_the_kill_after_commit_probe_refuses_outside_the_test_server(client: Any
     )
     assert response.status_code == 403
     assert not OutboxEntry.objects.exists()
+
+
+def test_a_message_over_the_payload_limit_is_refused_and_writes_nothing() -> None:
+    """Issue 25 item 16: a payload over MariaDB's ``max_allowed_packet`` dropped the
+    connection mid-transaction ("server has gone away"). Every backend now refuses a message
+    over ``OUTBOX_MAX_PAYLOAD_BYTES`` (payload and headers, as UTF-8 JSON) first."""
+    limit = {"OUTBOX_MAX_PAYLOAD_BYTES": 100, "OUTBOX_TRANSPORTS": NULL_TRANSPORTS}
+    with override_settings(IDEMPOTENCY=limit):
+        at_limit = "é" * 46  # '"' + 92 bytes + '"' = 94, with headers "{}" = 96 bytes
+        with transaction.atomic():
+            outbox.send("t", at_limit, headers={})
+            with pytest.raises(ValueError, match=r"is 102 bytes .* the most is 100 "):
+                outbox.send("t", "é" * 49)
+            with pytest.raises(ValueError, match="OUTBOX_MAX_PAYLOAD_BYTES"):
+                outbox.send("t", "x", headers={"h": "y" * 100})
+    assert list(OutboxEntry.objects.values_list("payload", flat=True)) == [at_limit]
+
+
+def test_the_default_payload_limit_is_one_mebibyte() -> None:
+    with transaction.atomic():
+        outbox.send("t", "x" * (1024 * 1024 - 10))
+        with pytest.raises(ValueError, match="the most is 1048576"):
+            outbox.send("t", "x" * (1024 * 1024))
+    assert OutboxEntry.objects.count() == 1
+
+
+@pytest.mark.parametrize("value", [0, -1, "1MB", 1.5, True])
+def test_a_bad_payload_limit_is_improperly_configured(value: Any) -> None:
+    with (
+        override_settings(IDEMPOTENCY={"OUTBOX_MAX_PAYLOAD_BYTES": value}),
+        transaction.atomic(),
+        pytest.raises(ImproperlyConfigured, match="OUTBOX_MAX_PAY"),
+    ):
+        outbox.send("t", {})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ([1, 2, 3], None, "do not fit the task's signature"),
+        (None, {"nope": 1}, "do not fit the task's signature"),
+        (None, None, "do not fit the task's signature"),  # `event` is required
+        ("ab", None, "must be a list or tuple"),
+        (b"ab", None, "must be a list or tuple"),
+        ([{"order_id": 1}], ["x"], "kwargs must be a mapping"),
+    ],
+)
+def test_publish_refuses_a_call_the_task_can_never_run(args: Any, kwargs: Any, match: str) -> None:
+    """Issue 25 item 14: stored unchecked, the worker failed every delivery with TypeError."""
+    with transaction.atomic(), pytest.raises(TypeError, match=match):
+        outbox.publish(apply_order_confirmed, args=args, kwargs=kwargs)
+    assert OutboxEntry.objects.count() == 0
+
+
+def test_publish_accepts_a_call_that_fits_the_bound_task() -> None:
+    with transaction.atomic():
+        outbox.publish(apply_order_confirmed, args=[{"order_id": 1}])
+        outbox.publish(apply_order_confirmed, kwargs={"event": {"order_id": 2}})
+    assert OutboxEntry.objects.count() == 2
+
+
+class Validating:
+    """A transport that refuses a destination it cannot serve, at send time."""
+
+    def send(self, messages: Any) -> list[BaseException | None]:
+        return [None] * len(messages)
+
+    def close(self) -> None:
+        pass
+
+    def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
+        if not isinstance(payload, dict) or "args" not in payload:
+            raise ValueError(f"{destination}: not a task call")
+
+
+def test_a_transport_with_validate_message_refuses_what_it_can_never_send() -> None:
+    """Issue 25 item 15: stored anyway, such a message was retried for an hour, holding back
+    its key. A transport without the method is not asked (nor built) in the producer."""
+    from django_idempotency.outbox.transports import close_transports
+
+    transports = {
+        "default": {"BACKEND": "tests.test_outbox.Validating"},
+        "plain": {"BACKEND": "tests.test_relay.RecordingTransport"},
+    }
+    try:
+        with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
+            with transaction.atomic(), pytest.raises(ValueError, match="not a task call"):
+                outbox.send("shop.effect", {"order_id": 1})
+            with transaction.atomic():
+                outbox.send("shop.effect", {"args": [], "kwargs": {}})
+                outbox.send("anything", {"order_id": 1}, transport="plain")
+    finally:
+        close_transports()
+    assert sorted(OutboxEntry.objects.values_list("destination", flat=True)) == [
+        "anything",
+        "shop.effect",
+    ]

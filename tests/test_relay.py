@@ -38,7 +38,7 @@ from django_idempotency.outbox.transports import (
 from django_idempotency.retention.purge import purge_all
 from django_idempotency.tasks import relay_outbox
 
-pytestmark = pytest.mark.django_db
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("null_default_transport")]
 
 
 class RecordingTransport:
@@ -230,14 +230,94 @@ def test_a_leased_message_is_not_taken_until_its_lease_runs_out() -> None:
     other = RecordingTransport()
     assert relay(other).run_once().claimed == 0  # leased, and "b" waits behind "a"
     OutboxEntry.objects.update(locked_until=timezone.now() - timedelta(seconds=1))
-    assert relay(other).run_once().sent == 2
+    # Each row whose lease ran out goes alone: it may be the one that killed the relay.
+    assert relay(other).drain().as_dict() == {
+        **BatchResult().as_dict(),
+        "claimed": 2,
+        "sent": 2,
+        "batches": 2,
+    }
+    assert [len(call) for call in other.calls] == [1, 1]
     assert other.sent == ["a", "b"]
     assert OutboxEntry.objects.get(destination="a").attempts == 2  # the lost attempt counts
 
 
+class DiesOn(RecordingTransport):
+    """Sends what comes before the message to ``poison`` in its batch, then the relay "dies"
+    (nothing recorded), as a segfault or an ``os._exit`` in a client library would."""
+
+    def __init__(self, poison: str) -> None:
+        super().__init__()
+        self.poison = poison
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        self.calls.append(list(messages))
+        if any(m.destination == self.poison for m in messages):
+            raise KeyboardInterrupt
+        return [None] * len(messages)
+
+
+def expire_leases() -> None:
+    OutboxEntry.objects.filter(locked_until__isnull=False).update(
+        locked_until=timezone.now() - timedelta(seconds=1)
+    )
+
+
+def test_a_message_that_kills_the_relay_is_parked_at_claim_once_its_attempts_are_used() -> None:
+    """Issue 25 item 5: parking happened only when an outcome was recorded, so a message whose
+    send killed the relay was sent for ever, and took its healthy batch-mates with it."""
+    write("poison", key="bad")
+    write("then", key="bad")
+    write("healthy", key="good")
+    transport = DiesOn("poison")
+    deaths = 0
+    for _ in range(10):
+        try:
+            result = relay(transport, max_attempts=3).drain()
+        except KeyboardInterrupt:
+            deaths += 1
+            expire_leases()
+            continue
+        break
+    assert deaths == 3
+    assert result.parked == 1
+    row = OutboxEntry.objects.get(destination="poison")
+    assert (row.state, row.attempts, row.locked_until) == ("parked", 3, None)
+    assert "lease ran out 3 times" in row.last_error
+    # The healthy message went out with the first (fatal) batch only, then alone, once.
+    sends = [m.destination for call in transport.calls for m in call]
+    assert sends.count("poison") == 3
+    assert sends.count("healthy") == 2  # the fatal batch, then its own batch
+    assert states() == {"poison": "parked", "then": "pending", "healthy": "sent"}
+    # The poison message holds back its own key only, until it is requeued.
+    assert relay(RecordingTransport()).drain().claimed == 0
+
+
+def test_a_suspect_goes_alone_and_its_batch_mates_are_not_resent_each_death() -> None:
+    write("poison", key="bad")
+    write(*[f"ok-{n}" for n in range(5)], key="fine")
+    write(*[f"free-{n}" for n in range(5)])
+    transport = DiesOn("poison")
+    deaths = 0
+    for _ in range(20):
+        try:
+            relay(transport, max_attempts=5).drain()
+        except KeyboardInterrupt:
+            deaths += 1
+            expire_leases()
+            continue
+        break
+    assert deaths == 5
+    sends = [m.destination for call in transport.calls for m in call]
+    assert sends.count("poison") == 5
+    # Each healthy message: once in the fatal first batch, and once alone or in a later batch.
+    assert all(sends.count(d) <= 2 for d in sends if d != "poison"), sends
+    assert OutboxEntry.objects.exclude(destination="poison").filter(state="sent").count() == 10
+
+
 def test_a_key_spanning_two_transports_keeps_its_order() -> None:
     transports = {
-        "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
+        "default": {"BACKEND": "tests.outbox_helpers.NullTransport"},
         "other": {"BACKEND": "tests.test_relay.RecordingTransport"},
     }
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
@@ -375,6 +455,19 @@ def test_eager_celery_a_failing_task_fails_its_own_message_only() -> None:
     ]
 
 
+def test_the_relay_keeps_its_transports_broker_calls_within_a_quarter_of_its_lease() -> None:
+    """A silent broker must fail the batch before the lease runs out and another relay sends
+    it again: the relay hands its lease to a transport that can bound its calls."""
+    from celery import Celery
+
+    transport = CeleryTransport(app=Celery("lease-bound", set_as_current=False), timeout=10.0)
+    # The transport the relay sends a batch with (nothing is sent: no broker is needed here).
+    assert relay(transport, lease=8)._transport("default") is transport
+    assert (transport.timeout, transport.connect_timeout) == (2.0, 2.0)
+    relay(transport, lease=60)._transport("default")  # a longer lease never loosens the bound
+    assert transport.timeout == 2.0
+
+
 def test_an_unknown_transport_name_fails_the_message_with_the_reason() -> None:
     write("a")
     OutboxEntry.objects.update(transport="gone")
@@ -398,9 +491,13 @@ def test_two_relays_in_threads_send_each_message_once_in_key_order() -> None:
                 sent.extend(m.destination for m in messages)
             return [None] * len(messages)
 
+    errors: list[BaseException] = []
+
     def run() -> None:
         try:
             Relay(transports={"default": Shared()}, batch_size=7).drain()
+        except BaseException as exc:  # noqa: BLE001 (collected, and the test fails on it)
+            errors.append(exc)
         finally:
             close_old_connections()
 
@@ -409,6 +506,10 @@ def test_two_relays_in_threads_send_each_message_once_in_key_order() -> None:
         thread.start()
     for thread in threads:
         thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    # A claim that took SQLite's lock late (a deferred BEGIN) crashed one relay with
+    # "database is locked", and the other relay then sent everything: that passed unseen.
+    assert errors == [], errors
     Relay(transports={"default": Shared()}).drain()  # what the two left behind a lease, if any
 
     assert sorted(sent) == sorted(set(sent)) and len(sent) == 250
@@ -485,6 +586,30 @@ def test_system_checks_catch_bad_transports(value: Any, check_id: str) -> None:
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
         ids = [message.id for message in run_checks()]
     assert check_id in ids
+
+
+@pytest.mark.parametrize(
+    ("backend", "module", "extra"),
+    [
+        ("django_idempotency.outbox.transports.CeleryTransport", "celery", "celery"),
+        ("tests.outbox_helpers.TimedTransport", "celery", "celery"),  # a subclass
+        ("django_idempotency.kafka.transport.KafkaTransport", "confluent_kafka", "kafka"),
+    ],
+)
+def test_a_transport_whose_library_is_missing_fails_check_e033_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, backend: str, module: str, extra: str
+) -> None:
+    """Issue 25 item 17: a bare install (no Celery) with an outbox used the Celery transport
+    anyway; the relay failed with a raw ModuleNotFoundError 20 times, then parked."""
+    import sys
+
+    value = {"default": {"BACKEND": backend}}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
+        assert "django_idempotency.E033" not in [m.id for m in run_checks()]
+        monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+        (message,) = [m for m in run_checks() if m.id == "django_idempotency.E033"]
+    assert f"needs {module}" in message.msg
+    assert f"django-idempotency[{extra}]" in str(message.hint)
 
 
 def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
@@ -680,7 +805,7 @@ def test_the_relay_listens_again_after_its_connection_is_lost(
     again, not fall back to polling for the rest of its life."""
     from django.db import connection
 
-    from django_idempotency.outbox.relay import _Listener
+    from django_idempotency.outbox.store import Listener as _Listener
 
     monkeypatch.setattr(_Listener, "RETRY_EVERY", 0.2)
     transport = RecordingTransport()
@@ -692,3 +817,54 @@ def test_the_relay_listens_again_after_its_connection_is_lost(
         assert wait_for(lambda: listener_pids() not in ([], [lost]))
         write("after the loss")
         assert wait_for(lambda: transport.sent == ["after the loss"]), "polling only"
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_busy_relay_reads_its_notifications_after_every_batch() -> None:
+    """Issue 25 item 6: ``serve()`` read notifications only when idle. While a backlog was
+    worked, each producer commit left one unread on the ``LISTEN`` socket; once the socket
+    fills, the listening backend stops reading PostgreSQL's notification queue, and when that
+    is full every COMMIT that writes to the outbox fails. Here a producer commits during each
+    batch, and after each batch nothing is left unread."""
+    import select
+
+    write(*[f"backlog-{n}" for n in range(20)])
+    unread_after_batch: list[bool] = []
+    subject: Relay
+
+    def socket_of_listener() -> int:
+        assert subject.listener is not None and subject.listener.wrapper is not None
+        return int(subject.listener.wrapper.connection.fileno())
+
+    class Producing(RecordingTransport):
+        def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+            if len(self.calls) < 4:
+                write(f"during-{len(self.calls)}")  # commits: a NOTIFY reaches the listener
+                readable, _, _ = select.select([socket_of_listener()], [], [], 10)
+                assert readable, "the producer's notification never reached the listener"
+            return super().send(messages)
+
+    def on_batch(result: BatchResult) -> None:
+        readable, _, _ = select.select([socket_of_listener()], [], [], 0)
+        unread_after_batch.append(bool(readable))
+
+    transport = Producing()
+    subject = relay(transport, batch_size=5)
+
+    def serve() -> None:
+        try:
+            subject.serve(poll_interval=60.0, on_batch=on_batch)
+        finally:
+            close_conns()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        assert wait_for(lambda: len(transport.sent) == 24, 30), transport.sent
+    finally:
+        subject.stop()
+        thread.join(15)
+    assert not thread.is_alive()
+    assert len(unread_after_batch) >= 4
+    assert not any(unread_after_batch), unread_after_batch

@@ -35,9 +35,10 @@ from django.db import connections
 from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
+from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
-from django_idempotency.conf import conf
+from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import (
     EventId,
     find_event_id,
@@ -45,15 +46,14 @@ from django_idempotency.events.core import (
     normalize_event_id,
 )
 from django_idempotency.models import OutboxEntry
-from django_idempotency.outbox.transports import celery_envelope
+from django_idempotency.outbox.store import NOTIFY_CHANNEL
+from django_idempotency.outbox.transports import celery_envelope, get_transport
 
 if TYPE_CHECKING:
     from celery import Task
 
 __all__ = ["NOTIFY_CHANNEL", "publish", "send"]
 
-NOTIFY_CHANNEL = "django_idempotency_outbox"
-"""The PostgreSQL ``LISTEN``/``NOTIFY`` channel that wakes relays."""
 
 MAX_NAME_LENGTH = 255
 
@@ -77,8 +77,14 @@ def publish(
     :class:`~django_idempotency.events.celery.IdempotentConsumer` finds it.
 
     :param task: the task, or its registered name.
-    :param args: positional arguments (JSON-serialisable).
+    :param args: positional arguments (JSON-serialisable), a list or tuple; a string is refused.
     :param kwargs: keyword arguments (JSON-serialisable).
+
+    A task given as an object has its arguments checked against its signature, as
+    ``apply_async`` does (not when the task has ``typing=False``); a task given by name cannot
+    be checked. Values are stored as JSON, and what ``json.dumps`` cannot write is refused with
+    ``TypeError``: a ``datetime``, ``UUID`` or ``Decimal``, which Celery's own JSON serializer
+    would encode, must be passed as a string here (``isoformat()``, ``str()``).
     :param key: the ordering key: messages with one key are sent in the order written.
     :param headers: extra message headers (strings).
     :param transport: a name in ``IDEMPOTENCY["OUTBOX_TRANSPORTS"]``.
@@ -86,8 +92,17 @@ def publish(
     :param options: ``queue``, ``routing_key``, ``exchange``, ``priority`` or ``expires``.
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
+    :raises TypeError: arguments that do not fit the task, a string ``args``, or a value that
+        is not JSON.
     """
     name = task if isinstance(task, str) else str(task.name)
+    if isinstance(args, (str, bytes)) or not isinstance(args, (Sequence, type(None))):
+        # list("ab") is ["a", "b"]: a string was stored as one argument per character.
+        raise TypeError(f"args must be a list or tuple of arguments, not {args!r:.100}.")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(f"kwargs must be a mapping, not {kwargs!r:.100}.")
+    if not isinstance(task, str):
+        _check_arguments(task, args, kwargs)
     envelope = celery_envelope(args, kwargs, options)
     found = find_event_id(tuple(envelope["args"]), envelope["kwargs"])
     return send(
@@ -118,10 +133,14 @@ def send(
     :param event_id: the event id; default a new UUIDv7.
     :returns: the event id.
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
-    :raises ValueError: an empty or too long name, key or event id; nothing is written.
+    :raises ValueError: an empty or too long name, key or event id, or a message (payload and
+        headers as UTF-8 JSON) over ``OUTBOX_MAX_PAYLOAD_BYTES``; nothing is written.
     :raises TypeError: a payload or headers that are not JSON the database stores (NaN or
         infinity, a lone surrogate, a NUL on PostgreSQL), headers that are not strings.
     :raises ImproperlyConfigured: ``transport`` is not configured.
+
+    The transport may refuse the message here with ``TypeError`` or ``ValueError``, when it
+    defines ``validate_message`` (see :func:`_validate`).
     """
     alias = using if using is not None else conf.DATABASE
     connection = connections[alias]
@@ -132,16 +151,27 @@ def send(
             "Outside one, the message would commit on its own."
         )
     event = str(new_event_id()) if event_id is None else normalize_event_id(event_id)
+    destination = _name("destination", destination)
+    transport = _transport(transport)
     vendor = connection.vendor
-    payload = _json("payload", payload, vendor)
+    payload, payload_size = _json("payload", payload, vendor)
+    # The request's trace context, so that the consumer's span joins its trace, however late.
+    headers_value, headers_size = _json("headers", telemetry.inject(_headers(headers)), vendor)
+    limit = conf.OUTBOX_MAX_PAYLOAD_BYTES
+    if payload_size + headers_size > limit:
+        raise ValueError(
+            f"The outbox message is {payload_size + headers_size} bytes as JSON (payload and "
+            f"headers); the most is {limit} ({SETTING_NAME}['OUTBOX_MAX_PAYLOAD_BYTES']). "
+            "Store a large document elsewhere and send its reference."
+        )
+    _validate(transport, destination, payload, headers_value)
     values = {
         "event_id": event,
-        "destination": _name("destination", destination),
-        "transport": _transport(transport),
+        "destination": destination,
+        "transport": transport,
         # None is JSON null: left bare, it would be SQL NULL, which the column refuses.
         "payload": Value(None, JSONField()) if payload is None else payload,
-        # The request's trace context, so that the consumer's span joins its trace, however late.
-        "headers": _json("headers", telemetry.inject(_headers(headers)), vendor),
+        "headers": headers_value,
         "ordering_key": None if key is None else _name("ordering key", key),
         "state": OutboxEntry.State.PENDING,
         "attempts": 0,
@@ -168,6 +198,47 @@ def send(
     return event
 
 
+def _validate(name: str, destination: str, payload: Any, headers: dict[str, str]) -> None:
+    """Let the message's transport refuse a message it can never send, now rather than after
+    an hour of retries that hold back its key (``send("shop.effect", {"order_id": 1})`` to a
+    Celery destination, whose payload is no task call).
+
+    A transport class may define ``validate_message(destination, payload, headers)``, raising
+    ``TypeError`` or ``ValueError``. Only then is the transport built in this process (once, as
+    the relay builds it); a transport without the method is not built here.
+    """
+    backend = conf.OUTBOX_TRANSPORTS[name]["BACKEND"]
+    try:
+        cls = import_string(backend)
+    except ImportError:
+        return  # check E030 reports it, and the relay fails the message with the reason
+    if not callable(getattr(cls, "validate_message", None)):
+        return
+    get_transport(name).validate_message(destination, payload, headers)  # type: ignore[attr-defined]
+
+
+def _check_arguments(
+    task: Task[Any, Any], args: Sequence[Any] | None, kwargs: Mapping[str, Any] | None
+) -> None:
+    """Refuse a call the task can never run, as ``apply_async`` does: Celery binds the
+    arguments to the task's signature (``Task.__header__``, built by
+    ``celery.utils.functional.head_from_fun``, which leaves out ``self`` of a bound task)
+    unless the task says ``typing=False``. Stored unchecked, ``publish(task, args=[1, 2, 3])``
+    for a two-argument task was sent, and every worker then failed it with ``TypeError``."""
+    if not getattr(task, "typing", True):
+        return
+    check = getattr(task, "__header__", None)
+    if not callable(check):
+        return
+    try:
+        check(*(args or ()), **(kwargs or {}))
+    except TypeError as exc:
+        raise TypeError(
+            f"publish({getattr(task, 'name', task)!r}): the arguments do not fit the task's "
+            f"signature: {exc}."
+        ) from exc
+
+
 def _name(what: str, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"The {what} must be a non-empty string, not {value!r}.")
@@ -186,22 +257,22 @@ def _transport(name: object) -> str:
     return name
 
 
-def _json(what: str, value: Any, vendor: str) -> Any:
-    """``value``, once it is JSON that the database stores: strict JSON (``json.dumps`` writes
-    NaN and infinity, which no JSON column accepts), and outside SQLite no lone surrogate
-    (PostgreSQL and MySQL refuse one in JSON), and on PostgreSQL no NUL character (``jsonb``
-    refuses ``\\u0000``). Left to the INSERT, each of these raised a database error instead,
-    which on PostgreSQL aborts the caller's transaction.
+def _json(what: str, value: Any, vendor: str) -> tuple[Any, int]:
+    """``value`` and its size as UTF-8 JSON, once it is JSON that the database stores: strict
+    JSON (``json.dumps`` writes NaN and infinity, which no JSON column accepts), and outside
+    SQLite no lone surrogate (PostgreSQL and MySQL refuse one in JSON), and on PostgreSQL no
+    NUL character (``jsonb`` refuses ``\\u0000``). Left to the INSERT, each of these raised a
+    database error instead, which on PostgreSQL aborts the caller's transaction.
     """
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"The {what} must be JSON-serialisable: {exc}.") from exc
-    if vendor == "sqlite":
-        return value
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
+        if vendor == "sqlite":
+            return value, len(text.encode("utf-8", "surrogatepass"))
         raise TypeError(
             f"The {what} holds a lone surrogate ({exc.object[exc.start : exc.end]!r}), which "
             f"{vendor} cannot store in JSON."
@@ -212,7 +283,7 @@ def _json(what: str, value: Any, vendor: str) -> Any:
         raise TypeError(
             f"The {what} holds a NUL character (\\u0000), which PostgreSQL cannot store in JSON."
         )
-    return value
+    return value, size
 
 
 def _headers(headers: Mapping[str, str] | None) -> dict[str, str]:

@@ -42,10 +42,11 @@ Waking up
 ``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
 and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
 costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
-(:class:`_Listener`), so a database restart leaves no relay on polling alone.
+(:class:`~django_idempotency.outbox.store.Listener`), so a database restart leaves no relay on
+polling alone.
 
-Why this module is long: the claim, the send and the recording of outcomes share the relay's
-lease and its ordering rules; they read as one loop.
+The SQL of each step (the claim's query and transaction, the writes that record outcomes, the
+``LISTEN`` connection) is in :mod:`django_idempotency.outbox.store`; this module decides.
 """
 
 from __future__ import annotations
@@ -54,34 +55,24 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
 
-from django.db import DatabaseError, connections, transaction
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.models import Exists, F, OuterRef, Q
+from django.db import DatabaseError, connections
 from django.utils import timezone
 
 from django_idempotency import telemetry
 from django_idempotency.conf import conf
-from django_idempotency.exceptions import error_text
+from django_idempotency.exceptions import error_text, log_text
 from django_idempotency.models import OutboxEntry
-from django_idempotency.outbox.core import NOTIFY_CHANNEL
+from django_idempotency.outbox import store
 from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
 
 __all__ = ["BatchResult", "Relay"]
 
 logger = logging.getLogger(__name__)
 
-PENDING, SENT, PARKED = (
-    OutboxEntry.State.PENDING,
-    OutboxEntry.State.SENT,
-    OutboxEntry.State.PARKED,
-)
-UNSENT = (PENDING, PARKED)
 WAIT_SLICE = 0.5
 """The longest a wait blocks without checking whether the relay was asked to stop."""
 
@@ -146,13 +137,19 @@ class Relay:
         self.ttl = conf.OUTBOX_TTL
         self._transports = dict(transports) if transports is not None else None
         self._stopping = threading.Event()
+        self.listener: store.Listener | None = None
+        """The ``LISTEN`` connection while :meth:`serve` runs (PostgreSQL)."""
+        self._left_behind = False
+        """Whether the last claim left due rows for the next batch (it sent a suspect alone)."""
 
     # --- One batch ----------------------------------------------------------------------------
 
     def run_once(self) -> BatchResult:
         """Claim, send and record one batch; returns what it did (all zeros when idle)."""
-        claimed = self._claim()
-        result = BatchResult(claimed=len(claimed), batches=1 if claimed else 0)
+        result = BatchResult()
+        claimed = self._claim(result)
+        result.claimed = len(claimed)
+        result.batches = 1 if claimed else 0
         if not claimed:
             return result
         with telemetry.relay_batch(len(claimed)):
@@ -167,47 +164,99 @@ class Relay:
         while not self._stopping.is_set():
             result = self.run_once()
             total.add(result)
-            if not result.sent and result.claimed < self.batch_size:
+            if not self._more_due(result):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 break
         return total
 
-    def _claim(self) -> list[OutboxEntry]:
+    def _more_due(self, result: BatchResult) -> bool:
+        """Whether another batch may find something due at once."""
+        return bool(
+            result.sent
+            or result.parked
+            or result.claimed >= self.batch_size
+            or (result.claimed and self._left_behind)
+        )
+
+    def _claim(self, result: BatchResult | None = None) -> list[OutboxEntry]:
         connection = connections[self.using]
         now = timezone.now()
-        rows = OutboxEntry.objects.using(self.using)
-        # An earlier message of the same key that cannot go now (parked, in backoff, leased by
-        # another relay) holds back the rest of its key: those rows are left out here, so a long
-        # queue behind a blocked head never fills the batch and starves the other keys.
-        blocked_before = rows.filter(
-            ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id")
-        ).filter(
-            Q(state=PARKED)
-            | Q(state=PENDING) & (Q(available_at__gt=now) | Q(locked_until__gte=now))
-        )
-        with _claim_transaction(connection):
-            queryset = (
-                rows.filter(state=PENDING)
-                .filter(Q(available_at__isnull=True) | Q(available_at__lte=now))
-                .filter(Q(locked_until__isnull=True) | Q(locked_until__lt=now))
-                .filter(~Exists(blocked_before))
-                .order_by("id")
-            )
-            if connection.features.has_select_for_update_skip_locked:
-                queryset = queryset.select_for_update(skip_locked=True)
-            candidates = list(queryset[: self.batch_size])
+        self._left_behind = False
+        with store.claim_transaction(connection):
+            candidates = store.candidates(self.using, now, self.batch_size)
             if not candidates:
                 return []
-            chosen = self._in_order(candidates)
+            candidates = self._park_lost(candidates, result)
+            chosen = self._choose(candidates)
             if chosen:
-                OutboxEntry.objects.using(self.using).filter(
-                    id__in=[row.pk for row in chosen]
-                ).update(locked_until=now + self.lease, attempts=F("attempts") + 1)
+                store.lease(self.using, [row.pk for row in chosen], now + self.lease)
         for row in chosen:
             row.attempts += 1
             row.locked_until = now + self.lease
         return chosen
+
+    def _park_lost(
+        self, candidates: list[OutboxEntry], result: BatchResult | None
+    ) -> list[OutboxEntry]:
+        """Park the candidates whose every attempt ended in a lost lease; returns the others.
+
+        A row whose lease ran out (``locked_until`` set and past: every recorded outcome clears
+        it) was claimed by a relay that never recorded it: the relay died while sending (OOM, a
+        segfault in a client library, ``os._exit``) or hung past the lease. Its ``attempts``
+        went up at each claim, but parking used to happen only when an outcome was recorded,
+        so a message that kills the relay was sent for ever. Here it is parked once its
+        attempts are used up, as a recorded failure would be.
+        """
+        kept: list[OutboxEntry] = []
+        for row in candidates:
+            if row.locked_until is None or row.attempts < self.max_attempts:
+                kept.append(row)
+                continue
+            text = (
+                f"The relay's lease ran out {row.attempts} times without an outcome: a relay "
+                "died or hung while sending this message (out of memory, a crash in the "
+                "transport, a send that never returns)."
+            )
+            store.park(self.using, row.pk, row.locked_until, text)
+            if result is not None:
+                result.parked += 1
+            logger.error(
+                "OUTBOX MESSAGE PARKED after %d attempts with no outcome (the relay died or "
+                "hung while sending it): event %s to %s (%s). Its ordering key waits until it is "
+                "requeued in the admin.",
+                row.attempts,
+                log_text(row.event_id),
+                log_text(row.destination),
+                log_text(row.transport),
+            )
+        return kept
+
+    def _choose(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
+        """The batch: a suspect alone, or rows that never lost a lease.
+
+        A suspect is a row whose last lease ran out without an outcome: it may be the message
+        that killed the relay. Sent alone, it can only take down batches of its own, so its
+        healthy batch-mates on other keys are not sent again at each death (only once, with the
+        batch in which it first killed the relay), and it holds back only its own key.
+        """
+        allowed = self._in_order(candidates)
+        batch: list[OutboxEntry] = []
+        held: set[str] = set()  # keys with a suspect that waits for a batch of its own
+        seen: set[str] = set()
+        for row in allowed:
+            key = row.ordering_key
+            if row.locked_until is not None:
+                if key is None or key not in seen:  # nothing of its key goes before it
+                    batch = [row]
+                    break
+                held.add(key)
+            elif key is None or key not in held:
+                batch.append(row)
+            if key is not None:
+                seen.add(key)
+        self._left_behind = len(batch) < len(allowed)
+        return batch
 
     def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
         """The candidates that may go now without overtaking an unsent message of their key."""
@@ -215,16 +264,10 @@ class Relay:
         keys = {row.ordering_key for row in candidates if row.ordering_key is not None}
         allowed: set[int] = set()
         if keys:
-            unsent = (
-                OutboxEntry.objects.using(self.using)
-                .filter(ordering_key__in=keys, state__in=UNSENT, id__lte=max(by_id))
-                .order_by("id")
-                .values_list("id", "ordering_key")
-            )
+            unsent = store.unsent_of_keys(self.using, keys, max(by_id))
             blocked: set[str] = set()
             transport_of: dict[str, str] = {}
             for pk, key in unsent:
-                assert key is not None  # filtered on ordering_key__in
                 if key in blocked:
                     continue
                 row = by_id.get(pk)
@@ -270,8 +313,16 @@ class Relay:
         if self._transports is not None:
             if name not in self._transports:
                 raise LookupError(f"this relay has no transport named {name!r}")
-            return self._transports[name]
-        return get_transport(name)
+            transport = self._transports[name]
+        else:
+            transport = get_transport(name)
+        # A transport that can bound its broker calls keeps each batch within the lease, so a
+        # silent broker fails the batch before another relay takes it over (and no SIGTERM waits
+        # on a socket for ever). Calling it again with the same lease changes nothing.
+        limit = getattr(transport, "limit_to_lease", None)
+        if callable(limit):
+            limit(self.lease.total_seconds())
+        return transport
 
     def _record(
         self,
@@ -294,55 +345,41 @@ class Relay:
                 if row.ordering_key is not None:
                     failed_keys.add(row.ordering_key)
         telemetry.outbox_sends(rows, outcomes, self.max_attempts)
-        queryset = OutboxEntry.objects.using(self.using)
-        with transaction.atomic(using=self.using):
+        with store.record_transaction(self.using):
             if sent:
-                queryset.filter(id__in=sent).update(
-                    state=SENT,
-                    sent_at=now,
-                    expires_at=now + self.ttl,
-                    locked_until=None,
-                    last_error="",
-                )
+                store.mark_sent(self.using, sent, now, now + self.ttl)
             # A failure is recorded only while the lease is still this relay's: after a takeover
             # the row belongs to the other relay (a sent mark always stands: the broker has it).
             lease = rows[0].locked_until
             if released:
-                queryset.filter(id__in=released, locked_until=lease).update(
-                    locked_until=None, attempts=F("attempts") - 1
-                )
+                store.release(self.using, released, lease)
             for row, error in failures:
                 # Escaped so that every database stores it: left in, a NUL or a lone
                 # surrogate failed this transaction, and with it the batch's sent marks.
                 text = error_text(error)
                 if row.attempts >= self.max_attempts:
-                    queryset.filter(pk=row.pk, locked_until=lease).update(
-                        state=PARKED, locked_until=None, last_error=text
-                    )
+                    store.park(self.using, row.pk, lease, text)
                     result.parked += 1
                     logger.error(
                         "OUTBOX MESSAGE PARKED after %d attempts: event %s to %s (%s). Its "
                         "ordering key waits until it is requeued in the admin. Last error: %s",
                         row.attempts,
-                        row.event_id,
-                        row.destination,
-                        row.transport,
+                        log_text(row.event_id),
+                        log_text(row.destination),
+                        log_text(row.transport),
                         text,
                     )
                 else:
-                    queryset.filter(pk=row.pk, locked_until=lease).update(
-                        available_at=now + timedelta(seconds=self._delay(row.attempts)),
-                        locked_until=None,
-                        last_error=text,
-                    )
+                    available_at = now + timedelta(seconds=self._delay(row.attempts))
+                    store.retry_later(self.using, row.pk, lease, available_at, text)
                     result.failed += 1
                     logger.warning(
                         "outbox message not sent (attempt %d of %d), retried later: event %s "
                         "to %s: %s",
                         row.attempts,
                         self.max_attempts,
-                        row.event_id,
-                        row.destination,
+                        log_text(row.event_id),
+                        log_text(row.destination),
                         text,
                     )
         result.sent += len(sent)
@@ -369,7 +406,8 @@ class Relay:
         """
         total = BatchResult()
         telemetry.observe(self.using)  # the backlog gauges, reported by the relay alone
-        listener = _Listener.open(self.using)
+        listener = store.Listener.open(self.using) if conf.OUTBOX_NOTIFY else None
+        self.listener = listener
         try:
             while not self._stopping.is_set():
                 try:
@@ -380,12 +418,19 @@ class Relay:
                     self._wait(None, poll_interval)
                     continue
                 total.add(result)
+                if listener is not None:
+                    # After every batch, not only when idle: unread, the notifications of a
+                    # backlog's producer commits fill the socket, the listening backend stops
+                    # reading PostgreSQL's notification queue, and once that queue is full
+                    # every COMMIT that writes to the outbox fails.
+                    listener.drain()
                 if on_batch is not None and result.claimed:
                     on_batch(result)
-                if result.sent or result.claimed >= self.batch_size:
+                if self._more_due(result):
                     continue
                 self._wait(listener, poll_interval)
         finally:
+            self.listener = None
             if listener is not None:
                 listener.close()
         return total
@@ -398,7 +443,7 @@ class Relay:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    def _wait(self, listener: _Listener | None, seconds: float) -> None:
+    def _wait(self, listener: store.Listener | None, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while not self._stopping.is_set():
             left = deadline - time.monotonic()
@@ -408,116 +453,3 @@ class Relay:
                 self._stopping.wait(min(left, WAIT_SLICE))
             elif listener.wait(min(left, WAIT_SLICE)):
                 return
-
-
-@contextmanager
-def _claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """The claim's transaction: ``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL."""
-    if connection.vendor == "sqlite":
-        # Take the write lock first, so two relays serialise instead of both reading the same
-        # rows (SQLite has no SELECT ... FOR UPDATE).
-        if connection.in_atomic_block:
-            with transaction.atomic(using=connection.alias):
-                yield
-            return
-        connection.ensure_connection()
-        with connection.cursor() as cursor:
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                yield
-            except BaseException:
-                cursor.execute("ROLLBACK")
-                raise
-            cursor.execute("COMMIT")
-        return
-    outermost = not connection.in_atomic_block
-    with transaction.atomic(using=connection.alias):
-        if connection.vendor == "mysql" and outermost:
-            # No gap locks: under REPEATABLE READ, the claim's locking read would block
-            # producers inserting new messages until it commits.
-            with connection.cursor() as cursor:
-                cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-        yield
-
-
-class _Listener:
-    """A connection of its own that listens on the outbox channel (PostgreSQL only).
-
-    When that connection is lost (a database restart, a failover, a pooler that closed it), or
-    cannot be opened, the relay polls every ``poll_interval`` meanwhile and listens again
-    ``RETRY_EVERY`` seconds later, for as long as it runs: a lost ``LISTEN`` never leaves a
-    relay on polling alone for good. Listening again wakes the relay once, since a message may
-    have been written while nobody listened.
-    """
-
-    RETRY_EVERY = 5.0
-    """Seconds between two attempts to listen again."""
-
-    def __init__(self, using: str) -> None:
-        self.using = using
-        self.wrapper: BaseDatabaseWrapper | None = None
-        self.retry_at = 0.0
-
-    @classmethod
-    def open(cls, using: str) -> _Listener | None:
-        """A listener, listening if it can; None where there is nothing to listen to."""
-        if connections[using].vendor != "postgresql" or not conf.OUTBOX_NOTIFY:
-            return None
-        listener = cls(using)
-        listener._listen()
-        return listener
-
-    @property
-    def listening(self) -> bool:
-        return self.wrapper is not None
-
-    def _listen(self) -> bool:
-        wrapper = connections.create_connection(self.using)
-        try:
-            wrapper.ensure_connection()
-            wrapper.set_autocommit(True)
-            with wrapper.cursor() as cursor:
-                cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        except DatabaseError:
-            logger.warning(
-                "outbox relay: cannot LISTEN; polling meanwhile, trying again in %.0f s",
-                self.RETRY_EVERY,
-                exc_info=True,
-            )
-            wrapper.close()
-            self.retry_at = time.monotonic() + self.RETRY_EVERY
-            return False
-        self.wrapper = wrapper
-        return True
-
-    def wait(self, seconds: float) -> bool:
-        """True if a notification arrived within ``seconds`` (pending ones are drained too),
-        or if the relay should look now because it has just listened again."""
-        if self.wrapper is None:
-            if time.monotonic() >= self.retry_at and self._listen():
-                logger.info("outbox relay: listening again on %s", NOTIFY_CHANNEL)
-                return True
-            time.sleep(seconds)
-            return False
-        raw: Any = self.wrapper.connection
-        try:
-            woke = any(True for _ in raw.notifies(timeout=seconds, stop_after=1))
-            if woke:
-                for _ in raw.notifies(timeout=0.0):
-                    pass
-        except Exception:
-            logger.warning(
-                "outbox relay: LISTEN connection lost; polling meanwhile, listening again in "
-                "%.0f s",
-                self.RETRY_EVERY,
-                exc_info=True,
-            )
-            self.close()
-            self.retry_at = time.monotonic() + self.RETRY_EVERY
-            return True  # a notification may have been lost with the connection: look now
-        return woke
-
-    def close(self) -> None:
-        if self.wrapper is not None:
-            self.wrapper.close()
-            self.wrapper = None

@@ -51,10 +51,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
-from django_idempotency.conf import conf
+from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
 
@@ -175,6 +176,16 @@ def close_transports() -> None:
         _transports.clear()
     for transport in built:
         transport.close()
+
+
+def _settings_changed(*, setting: str, **kwargs: Any) -> None:
+    # A transport is built from OUTBOX_TRANSPORTS once per process; when the setting changes
+    # (override_settings in tests), the next message must not go through the old one.
+    if setting == SETTING_NAME:
+        close_transports()
+
+
+setting_changed.connect(_settings_changed)
 
 
 # --- Celery -----------------------------------------------------------------------------------
