@@ -218,6 +218,7 @@ class Recording:
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("null_default_transport")
 def test_a_parked_ordering_key_holds_back_only_itself() -> None:
     """On MariaDB the outbox's ordering key had the table's case-insensitive default: a parked
     ``Order-7`` held back ``order-7`` and ``Order-7 `` for good."""

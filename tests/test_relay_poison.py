@@ -22,7 +22,12 @@ from django_idempotency.outbox import core as outbox
 from tests.outbox_helpers import Process, file_transports, start
 from tests.workers import database_url
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("null_default_transport"),  # the relays below use FileTransport
+]
 
 MAX_ATTEMPTS = 3
 LEASE = 1.0
