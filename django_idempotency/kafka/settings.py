@@ -31,7 +31,12 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-__all__ = ["ConsumerSettings", "check_consumers", "parse_consumers"]
+__all__ = ["PARTITIONER", "ConsumerSettings", "check_consumers", "parse_consumers"]
+
+PARTITIONER = "murmur2_random"
+"""The partitioner of every producer of this app (the outbox's ``KafkaTransport``, the runner's
+dead-letter and replay producers): the Java client's key hash, so one key lands on one partition
+whichever of them (or a Java producer) wrote it."""
 
 SETTING = "KAFKA_CONSUMERS"
 REQUIRED = ("HANDLER", "TOPICS", "GROUP", "CONFIG")
