@@ -379,3 +379,71 @@ def test_a_refused_offset_commit_is_retried_and_logged_once(
     refusals = [r for r in caplog.records if "offset commit refused" in r.getMessage()]
     assert len(refusals) == 1, [r.getMessage() for r in caplog.records]
     assert "retried with the next commit" in refusals[0].getMessage()
+
+
+def test_a_retry_pauses_its_partition_and_the_others_go_on(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """A failed message waits out RETRY_DELAY (an hour here) with its partition paused, not in
+    a sleep of the loop: the other partitions' messages are applied meanwhile, and the consumer
+    keeps polling (so it stays within max.poll.interval.ms)."""
+    poison = event()
+    healthy = [event() for _ in range(6)]
+    # The poison message on partition 0, the healthy ones on the others.
+    for number, value in enumerate([poison, *healthy]):
+        kafka_cluster.producer.produce(topic, value=value, partition=number % 3 + (number > 0))
+    assert kafka_cluster.producer.flush(30) == 0
+    poison_id = json.loads(poison)["event_id"]
+    settings = settings_for(kafka_cluster, topic, retry_delay=3600.0, event_id_source="json")
+    seen: list[str] = []
+    runner = ConsumerRunner(
+        settings, recording_handler(seen, fail=lambda e: e["event_id"] == poison_id)
+    )
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    try:
+        wait_until(lambda: len(effect_ids()) == len(healthy), timeout=30)
+    finally:
+        runner.stop()
+        thread.join(30)
+    assert seen.count(poison_id) == 1  # not delivered again within the hour
+    assert sorted(effect_ids()) == sorted(json.loads(v)["event_id"] for v in healthy)
+    assert runner.counts == {Outcome.RETRY: 1, Outcome.APPLIED: len(healthy)}
+
+
+def test_replay_idles_from_the_assignment_and_keeps_the_key_partition(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """The replay's idle time (here shorter than the group join) counts from the assignment,
+    so it finds the waiting dead letters; each goes back to the partition its key hashes to
+    under murmur2_random, the partitioner of KafkaTransport (librdkafka's default hashes
+    differently)."""
+    settings = settings_for(kafka_cluster, topic)
+    murmur = Producer(
+        {"bootstrap.servers": kafka_cluster.bootstrap, "partitioner": "murmur2_random"}
+    )
+    keys = [f"order-{number}".encode() for number in range(8)]
+    reports: list[Any] = []
+    for key in keys:
+        murmur.produce(
+            topic, value=event(), key=key, on_delivery=lambda err, msg: reports.append(msg)
+        )
+    assert murmur.flush(30) == 0
+    home = {msg.key(): msg.partition() for msg in reports}
+    for msg in reports:
+        dead = [
+            ("event_id", json.loads(msg.value())["event_id"].encode()),
+            ("dlq.consumer", settings.name.encode()),
+            ("dlq.topic", topic.encode()),
+        ]
+        murmur.produce(f"{topic}.dlq", value=msg.value(), key=msg.key(), headers=dead)
+    assert murmur.flush(30) == 0
+
+    from django_idempotency.kafka.runner import replay_dead_letters
+
+    counts = replay_dead_letters(settings, idle=0.2)
+
+    assert counts == {"replayed": len(keys)}
+    replayed = kafka_cluster.read(topic, 2 * len(keys))
+    assert len(replayed) == 2 * len(keys)
+    assert {(m.key(), m.partition()) for m in replayed} == set(home.items())
