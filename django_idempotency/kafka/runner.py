@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, close_old_connections, transaction
 from django.utils.module_loading import import_string
 
 from django_idempotency.conf import conf, consumer_settings
@@ -245,18 +245,31 @@ class ConsumerRunner:
         seen = 0
         try:
             while not self._stopping.is_set():
-                message = consumer.poll(self._resume_due())
-                if message is None:
+                timeout = self._resume_due()
+                if settings.batch_size > 1:
+                    polled = consumer.consume(settings.batch_size, timeout)
+                else:
+                    one = consumer.poll(timeout)
+                    polled = [] if one is None else [one]
+                if not polled:
                     self._commit_if_due()
                     close_old_connections()  # when idle, as CONN_MAX_AGE says
                     continue
-                error = message.error()
-                if error is not None:
-                    self._on_error(error)
+                messages = []
+                for message in polled:
+                    error = message.error()
+                    if error is None:
+                        messages.append(message)
+                    else:
+                        self._on_error(error)
+                if not messages:
                     continue
                 self._reachable()
-                self.handle(message)
-                seen += 1
+                if settings.batch_size > 1:
+                    seen += self.handle_batch(messages)
+                else:
+                    self.handle(messages[0])
+                    seen += 1
                 if max_messages is not None and seen >= max_messages:
                     break
         finally:
@@ -284,6 +297,71 @@ class ConsumerRunner:
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
+
+    def handle_batch(self, messages: Sequence[Message]) -> int:
+        """Batch mode: apply each partition's messages in one transaction; how many were
+        handled (the rest come again: their partition was sought back after a failure).
+
+        A partition that has not applied a message since it was assigned here takes its
+        messages one at a time until one is applied (see :meth:`process`): a message that
+        killed an earlier owner is then counted, and never hidden in a batch.
+        """
+        by_partition: dict[tuple[str, int], list[Message]] = {}
+        for message in messages:
+            by_partition.setdefault(_position(message)[:2], []).append(message)
+        handled = 0
+        for key, run in by_partition.items():
+            if self._stopping.is_set():
+                break
+            while run and key not in self._settled:
+                handled += 1
+                if self.handle(run.pop(0)) is Outcome.RETRY:
+                    run = []
+            if run:
+                handled += self._apply_batch(run)
+        return handled
+
+    def _apply_batch(self, messages: list[Message]) -> int:
+        """One transaction for ``messages`` (one partition, in order), one reservation each,
+        then their offsets; on any failure, a rollback and the same messages one at a time."""
+        settings = self.settings
+        outcomes: list[Outcome] = []
+        try:
+            ids = [event_id_of(message, settings) for message in messages]
+            with transaction.atomic(using=conf.DATABASE):
+                for message, event_id in zip(messages, ids, strict=True):
+                    processed = process_event(
+                        settings.name,
+                        event_id,
+                        lambda message=message: self.handler(message),  # type: ignore[misc]
+                        topic=message.topic(),
+                        max_deliveries=settings.max_deliveries,
+                        redelivered=False,  # a settled partition: first deliveries
+                        using=conf.DATABASE,
+                    )
+                    outcomes.append(Outcome.APPLIED if processed.applied else Outcome.DUPLICATE)
+        except Exception:  # logged; the messages are then applied one at a time
+            logger.warning(
+                "batch of %d messages rolled back, applying them one at a time: consumer %s, "
+                "%s to %s",
+                len(messages),
+                settings.name,
+                _describe(messages[0]),
+                _describe(messages[-1]),
+                exc_info=True,
+            )
+            close_old_connections()  # a broken connection is replaced first
+            handled = 0
+            for message in messages:
+                handled += 1
+                if self.handle(message) is Outcome.RETRY:
+                    break
+            return handled
+        self.counts.update(outcomes)
+        topic, partition, offset = _position(messages[-1])
+        self._done[topic, partition] = offset + 1
+        self._commit_if_due()
+        return len(messages)
 
     def process(self, message: Message) -> Outcome:
         """Run the handler once per event id, or dead-letter the message; never commits.
