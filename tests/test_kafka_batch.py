@@ -46,9 +46,10 @@ def topic(kafka_cluster: Cluster) -> str:
 def test_a_batch_is_one_transaction_with_one_offset_commit(
     kafka_cluster: Cluster, topic: str
 ) -> None:
-    """The first message of a partition is applied alone (it settles the partition); the
-    next ones share one transaction: every handler runs before any commit hook."""
-    values = [event() for _ in range(8)]
+    """A newly assigned partition takes its first BATCH_SIZE (3) messages one at a time, and
+    one more to settle; the next ones share one transaction per batch: all the batch's
+    handlers run before any of its commit hooks."""
+    values = [event() for _ in range(12)]
     produce(kafka_cluster, topic, values)
     ids = [json.loads(v)["event_id"] for v in values]
     order: list[str] = []
@@ -59,17 +60,17 @@ def test_a_batch_is_one_transaction_with_one_offset_commit(
         order.append(f"run {event_id}")
         transaction.on_commit(lambda: order.append(f"commit {event_id}"))
 
-    settings = settings_for(kafka_cluster, topic, batch_size=50, event_id_source="json")
+    settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
     runner = ConsumerRunner(settings, handler)
-    runner.run(max_messages=8)
+    runner.run(max_messages=12)
 
-    assert runner.counts == {Outcome.APPLIED: 8}
-    assert order[:2] == [f"run {ids[0]}", f"commit {ids[0]}"]
-    rest = order[2:]
-    runs = [entry for entry in rest if entry.startswith("run")]
-    assert rest[: len(runs)] == runs  # each later batch: all its handlers, then its commits
+    assert runner.counts == {Outcome.APPLIED: 12}
+    alone = [entry for event_id in ids[:4] for entry in (f"run {event_id}", f"commit {event_id}")]
+    assert order[:8] == alone
+    assert "run" in order[9]  # a second handler before the first one's commit: one batch
+    assert sorted(entry.split()[1] for entry in order if entry.startswith("commit")) == sorted(ids)
     assert sorted(effect_ids()) == sorted(ids)
-    assert sum(committed(kafka_cluster, settings).values()) == 8
+    assert sum(committed(kafka_cluster, settings).values()) == 12
 
 
 def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
@@ -178,9 +179,20 @@ def test_batch_poison_message_is_dead_lettered_and_the_consumer_goes_on(
 def test_batch_message_that_kills_its_consumer_is_dead_lettered(
     kafka_cluster: Cluster, batched: Any
 ) -> None:
-    one_at_a_time.test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries(
-        kafka_cluster, batched
-    )
+    """A killer inside a batch: each new owner takes its first BATCH_SIZE messages one at a
+    time and counted, so the killer is counted on every death and parked after
+    MAX_DELIVERIES (3) of them; the messages around it are applied once."""
+    before, after = one_at_a_time.events(2), one_at_a_time.events(2)
+    [killer] = one_at_a_time.events(1, behaviour="die")
+    kafka_cluster.produce(batched.topic, [*before, killer, *after], key=lambda e: "one")
+    deaths, consumer = one_at_a_time.until_one_survives(batched, applied=4)
+    assert deaths == 3
+    kafka_cluster.wait_caught_up(batched.topic, batched.group)
+
+    assert one_at_a_time.effects() == Counter(e["event_id"] for e in [*before, *after])
+    [dead] = kafka_cluster.read(f"{batched.topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    assert consumer.terminate() == 0
 
 
 @pytest.mark.slow

@@ -197,6 +197,9 @@ class ConsumerRunner:
         """Partitions that have applied a message since they were assigned here: no earlier
         owner ever saw their later messages, so those are first deliveries (see process())."""
         self._committed_at = time.monotonic()
+        self._warmup: dict[tuple[str, int], int] = {}
+        """Batch mode: messages each partition still takes one at a time, counted, since it
+        was assigned here (see handle_batch())."""
         self._paused: dict[tuple[str, int], float] = {}
         """Partitions paused after a failed message, with when to resume them."""
         self._assigned: set[tuple[str, int]] = set()
@@ -292,8 +295,12 @@ class ConsumerRunner:
         if outcome is Outcome.RETRY:
             self._retry_at(topic, partition, offset)
         else:
-            if outcome is Outcome.APPLIED:
-                self._settled.add((topic, partition))
+            key = (topic, partition)
+            warming = self._warmup.get(key, 0)
+            if warming:
+                self._warmup[key] = warming - 1
+            elif outcome is Outcome.APPLIED:
+                self._settled.add(key)
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
@@ -302,9 +309,11 @@ class ConsumerRunner:
         """Batch mode: apply each partition's messages in one transaction; how many were
         handled (the rest come again: their partition was sought back after a failure).
 
-        A partition that has not applied a message since it was assigned here takes its
-        messages one at a time until one is applied (see :meth:`process`): a message that
-        killed an earlier owner is then counted, and never hidden in a batch.
+        A partition newly assigned here takes its first ``BATCH_SIZE`` messages one at a time,
+        each counted, then one at a time until one is applied (see :meth:`process`). An
+        earlier owner that died inside a batch died within the ``BATCH_SIZE`` messages after
+        its last offset commit, so a message that kills every owner is always among the
+        counted ones, and is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch.
         """
         by_partition: dict[tuple[str, int], list[Message]] = {}
         for message in messages:
@@ -515,6 +524,9 @@ class ConsumerRunner:
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._unsettle(partitions)
+        if self.settings.batch_size > 1:
+            for p in partitions:
+                self._warmup[p.topic, p.partition] = self.settings.batch_size
         self._assigned.update((p.topic, p.partition) for p in partitions)
         self._reachable()
         logger.info("consumer %s assigned %s", self.settings.name, _partitions(partitions))
@@ -548,6 +560,8 @@ class ConsumerRunner:
         if paused:
             consumer.resume(paused)  # a later owner here starts it unpaused
         self._assigned -= keys
+        for key in keys:
+            self._warmup.pop(key, None)
 
     def _log_waiting(self) -> None:
         if not self._assigned:
