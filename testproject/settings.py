@@ -166,6 +166,7 @@ if env("SHOP_KAFKA_BOOTSTRAP", default=""):
             "RETRY_DELAY": 0.2,
             "POLL_TIMEOUT": 0.2,
             "COMMIT_INTERVAL": env.float("SHOP_KAFKA_COMMIT_INTERVAL", default=0.0),
+            "BATCH_SIZE": env.int("SHOP_KAFKA_BATCH_SIZE", default=1),
         }
     }
 

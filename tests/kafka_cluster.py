@@ -115,14 +115,7 @@ class Cluster:
 
     def count(self, topic: str) -> int:
         """How many messages ``topic`` holds (the sum of its partitions' high watermarks)."""
-        consumer = Consumer({"bootstrap.servers": self.bootstrap, "group.id": "count"})
-        try:
-            return sum(
-                consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                for p in range(PARTITIONS)
-            )
-        finally:
-            consumer.close()
+        return sum(self._log_ends(topic).values())
 
     def backlog(self, topic: str, group: str) -> int:
         """Messages of ``topic`` whose offsets ``group`` has not committed."""
@@ -130,13 +123,47 @@ class Cluster:
         try:
             partitions = [TopicPartition(topic, p) for p in range(PARTITIONS)]
             committed = consumer.committed(partitions, timeout=10)
+            ends = self._log_ends(topic)
             behind = 0
             for partition in committed:
-                low, high = consumer.get_watermark_offsets(partition, timeout=10)
-                behind += high - (partition.offset if partition.offset >= 0 else low)
+                low, _ = consumer.get_watermark_offsets(partition, timeout=10)
+                behind += ends[partition.partition] - (
+                    partition.offset if partition.offset >= 0 else low
+                )
             return behind
         finally:
             consumer.close()
+
+    def _log_ends(self, topic: str) -> dict[int, int]:
+        """Each partition's log-end offset (the next offset to be written).
+
+        On the mock cluster (and Kafka), the high watermark. Tansu 0.6 answers ListOffsets
+        (latest) with the offset of the last message instead, one less than Kafka's log end:
+        there, the messages at and past the watermark are read to find the end.
+        """
+        reader = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"ends-{uuid.uuid4().hex[:8]}",
+                "enable.auto.commit": False,
+            }
+        )
+        try:
+            ends = {
+                p: reader.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(PARTITIONS)
+            }
+            if self.is_mock:
+                return ends
+            reader.assign([TopicPartition(topic, p, ends[p]) for p in range(PARTITIONS)])
+            while (message := reader.poll(1.0)) is not None:
+                if message.error() is None:
+                    partition, offset = message.partition(), message.offset()
+                    assert partition is not None and offset is not None
+                    ends[partition] = max(ends[partition], offset + 1)
+            return ends
+        finally:
+            reader.close()
 
     def wait_caught_up(self, topic: str, group: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

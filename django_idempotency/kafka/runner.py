@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -39,15 +40,15 @@ from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from django.db import DatabaseError, close_old_connections
+from django.db import DatabaseError, close_old_connections, transaction
 from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
 from django_idempotency.conf import conf, consumer_settings
 from django_idempotency.events.core import normalize_event_id, process_event
-from django_idempotency.exceptions import EventParked, MissingEventId
+from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 from django_idempotency.extras import missing_extra
-from django_idempotency.kafka.settings import ConsumerSettings
+from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
 from django_idempotency.models import EventDelivery
 
 try:
@@ -126,6 +127,10 @@ def event_id_of(message: Message, settings: ConsumerSettings) -> str:
             raw = json.loads(message.value() or b"")
         except ValueError as exc:
             raise MissingEventId(f"The value is not JSON, so it has no {where}: {exc}.") from exc
+        except RecursionError as exc:
+            # json.loads recurses once per nesting level: 200,000 "[" end in RecursionError,
+            # which is a value the runner refuses like any other unreadable one.
+            raise MissingEventId(f"The value is nested too deeply to read its {where}.") from exc
         for part in settings.event_id_name.split("."):
             raw = raw.get(part) if isinstance(raw, Mapping) else None
         if isinstance(raw, int) and not isinstance(raw, bool):
@@ -133,9 +138,37 @@ def event_id_of(message: Message, settings: ConsumerSettings) -> str:
     if raw is None:
         raise MissingEventId(f"The message has no event id ({where}).")
     try:
-        return normalize_event_id(raw)
+        event_id = normalize_event_id(raw)
+        _storable(event_id)
     except (TypeError, ValueError) as exc:
         raise MissingEventId(f"The event id ({where}) is not valid: {exc}") from exc
+    return event_id
+
+
+def _storable(event_id: str) -> None:
+    """ValueError unless ``event_id`` can be written to the database as it is.
+
+    A JSON string may hold a lone surrogate (``"\\ud800"``), which no UTF-8 database column can
+    store: the driver raises ``UnicodeEncodeError`` when the delivery is counted, every time, so
+    the message would be retried for ever and its partition would stall behind it. Such an id is
+    refused here, like a missing one, and the message is dead-lettered.
+    """
+    try:
+        event_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"The event id holds a lone surrogate ({event_id[exc.start : exc.end]!r} at "
+            f"{exc.start}), which cannot be stored: {event_id[:40]!r}."
+        ) from exc
+
+
+def killed_error(deliveries: int) -> str:
+    """The ``dlq.error`` of a message parked with no error recorded: no delivery of it ever
+    ended, so each one died with its consumer (SIGKILL, out of memory, a crash, os._exit)."""
+    return (
+        f"EventParked: no delivery of {deliveries} ended; the consumer died while handling "
+        f"it (killed, out of memory or crashed)"
+    )
 
 
 # --- The consumer runner ------------------------------------------------------------------------
@@ -165,6 +198,17 @@ class ConsumerRunner:
         """Partitions that have applied a message since they were assigned here: no earlier
         owner ever saw their later messages, so those are first deliveries (see process())."""
         self._committed_at = time.monotonic()
+        self._warmup: dict[tuple[str, int], int] = {}
+        """Batch mode: messages each partition still takes one at a time, counted, since it
+        was assigned here (see handle_batch())."""
+        self._paused: dict[tuple[str, int], float] = {}
+        """Partitions paused after a failed message, with when to resume them."""
+        self._assigned: set[tuple[str, int]] = set()
+        self._refused = False
+        """An offset commit was refused and not accepted since (logged once)."""
+        self._unreachable = False
+        """The brokers were reported unreachable, and nothing has answered since (logged once)."""
+        self._library_log = _LibraryLog(logger)
 
     # The loop
 
@@ -185,6 +229,8 @@ class ConsumerRunner:
             "group.id": settings.group,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
+            "error_cb": self._on_error,
+            "logger": self._library_log,
         }
         consumer = self._consumer = Consumer(config)
         consumer.subscribe(
@@ -199,20 +245,35 @@ class ConsumerRunner:
             ", ".join(settings.topics),
             settings.group,
         )
+        self._log_waiting()
         seen = 0
         try:
             while not self._stopping.is_set():
-                message = consumer.poll(settings.poll_timeout)
-                if message is None:
+                timeout = self._resume_due()
+                if settings.batch_size > 1:
+                    polled = consumer.consume(settings.batch_size, timeout)
+                else:
+                    one = consumer.poll(timeout)
+                    polled = [] if one is None else [one]
+                if not polled:
                     self._commit_if_due()
                     close_old_connections()  # when idle, as CONN_MAX_AGE says
                     continue
-                error = message.error()
-                if error is not None:
-                    self._on_error(error)
+                messages = []
+                for message in polled:
+                    error = message.error()
+                    if error is None:
+                        messages.append(message)
+                    else:
+                        self._on_error(error)
+                if not messages:
                     continue
-                self.handle(message)
-                seen += 1
+                self._reachable()
+                if settings.batch_size > 1:
+                    seen += self.handle_batch(messages)
+                else:
+                    self.handle(messages[0])
+                    seen += 1
                 if max_messages is not None and seen >= max_messages:
                     break
         finally:
@@ -238,15 +299,84 @@ class ConsumerRunner:
         )
         topic, partition, offset = _position(message)
         if outcome is Outcome.RETRY:
-            assert self._consumer is not None
-            self._consumer.seek(TopicPartition(topic, partition, offset))
-            self._stopping.wait(self.settings.retry_delay)
+            self._retry_at(topic, partition, offset)
         else:
-            if outcome is Outcome.APPLIED:
-                self._settled.add((topic, partition))
+            key = (topic, partition)
+            warming = self._warmup.get(key, 0)
+            if warming:
+                self._warmup[key] = warming - 1
+            elif outcome is Outcome.APPLIED:
+                self._settled.add(key)
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
+
+    def handle_batch(self, messages: Sequence[Message]) -> int:
+        """Batch mode: apply each partition's messages in one transaction; how many were
+        handled (the rest come again: their partition was sought back after a failure).
+
+        A partition newly assigned here takes its first ``BATCH_SIZE`` messages one at a time,
+        each counted, then one at a time until one is applied (see :meth:`process`). An
+        earlier owner that died inside a batch died within the ``BATCH_SIZE`` messages after
+        its last offset commit, so a message that kills every owner is always among the
+        counted ones, and is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch.
+        """
+        by_partition: dict[tuple[str, int], list[Message]] = {}
+        for message in messages:
+            by_partition.setdefault(_position(message)[:2], []).append(message)
+        handled = 0
+        for key, run in by_partition.items():
+            if self._stopping.is_set():
+                break
+            while run and key not in self._settled:
+                handled += 1
+                if self.handle(run.pop(0)) is Outcome.RETRY:
+                    run = []
+            if run:
+                handled += self._apply_batch(run)
+        return handled
+
+    def _apply_batch(self, messages: list[Message]) -> int:
+        """One transaction for ``messages`` (one partition, in order), one reservation each,
+        then their offsets; on any failure, a rollback and the same messages one at a time."""
+        settings = self.settings
+        outcomes: list[Outcome] = []
+        try:
+            ids = [event_id_of(message, settings) for message in messages]
+            with transaction.atomic(using=conf.DATABASE):
+                for message, event_id in zip(messages, ids, strict=True):
+                    processed = process_event(
+                        settings.name,
+                        event_id,
+                        lambda message=message: self.handler(message),  # type: ignore[misc]
+                        topic=message.topic(),
+                        max_deliveries=settings.max_deliveries,
+                        redelivered=False,  # a settled partition: first deliveries
+                        using=conf.DATABASE,
+                    )
+                    outcomes.append(Outcome.APPLIED if processed.applied else Outcome.DUPLICATE)
+        except Exception:  # logged; the messages are then applied one at a time
+            logger.warning(
+                "batch of %d messages rolled back, applying them one at a time: consumer %s, "
+                "%s to %s",
+                len(messages),
+                settings.name,
+                _describe(messages[0]),
+                _describe(messages[-1]),
+                exc_info=True,
+            )
+            close_old_connections()  # a broken connection is replaced first
+            handled = 0
+            for message in messages:
+                handled += 1
+                if self.handle(message) is Outcome.RETRY:
+                    break
+            return handled
+        self.counts.update(outcomes)
+        topic, partition, offset = _position(messages[-1])
+        self._done[topic, partition] = offset + 1
+        self._commit_if_due()
+        return len(messages)
 
     def process(self, message: Message) -> Outcome:
         """Run the handler once per event id, or dead-letter the message; never commits.
@@ -263,13 +393,16 @@ class ConsumerRunner:
         settings = self.settings
         try:
             event_id = event_id_of(message, settings)
-        except MissingEventId as exc:
+        except Exception as exc:
+            # MissingEventId as a rule; anything else is a message event_id_of could not read
+            # either, and must not end the loop (the partition would stall on it for good).
             logger.error(
                 "message without a usable event id, sent to the dead-letter topic: consumer "
                 "%s, %s: %s",
                 settings.name,
                 _describe(message),
-                exc,
+                log_text(exc),
+                exc_info=not isinstance(exc, MissingEventId),
             )
             return self._dead_letter(message, f"{type(exc).__name__}: {exc}", deliveries=1)
         try:
@@ -291,12 +424,38 @@ class ConsumerRunner:
             return self._retry_later(message, event_id)
         return Outcome.APPLIED if processed.applied else Outcome.DUPLICATE
 
+    def _retry_at(self, topic: str, partition: int, offset: int) -> None:
+        """Seek the partition back to ``offset`` and pause it for ``RETRY_DELAY``.
+
+        The loop keeps polling meanwhile, so the other partitions go on and the consumer stays
+        within ``max.poll.interval.ms`` however long the delay (a sleep in the loop would stall
+        every partition, and a delay past that interval would cost the consumer its group).
+        """
+        assert self._consumer is not None
+        where = TopicPartition(topic, partition, offset)
+        self._consumer.pause([where])
+        self._consumer.seek(where)
+        self._paused[topic, partition] = time.monotonic() + self.settings.retry_delay
+
+    def _resume_due(self) -> float:
+        """Resume the paused partitions whose delay is over; seconds until the next one is."""
+        if not self._paused:
+            return self.settings.poll_timeout
+        now = time.monotonic()
+        due = [key for key, at in self._paused.items() if at <= now]
+        if due and self._consumer is not None:
+            self._consumer.resume([TopicPartition(t, p) for t, p in due])
+        for key in due:
+            del self._paused[key]
+        waits = [at - now for at in self._paused.values()]
+        return max(0.0, min([self.settings.poll_timeout, *waits]))
+
     def _retry_later(self, message: Message, event_id: str) -> Outcome:
         logger.warning(
             "delivery failed, the message comes back in %ss (if it did commit, it is then "
             "skipped as a duplicate): event %s, consumer %s, %s",
             self.settings.retry_delay,
-            event_id,
+            log_text(event_id),
             self.settings.name,
             _describe(message),
             exc_info=True,
@@ -325,27 +484,70 @@ class ConsumerRunner:
             telemetry.count(
                 telemetry.KAFKA_COMMIT_FAILURES, {"idempotency.consumer": self.settings.name}
             )
-            # The group moved on (a rebalance, a lost session): the next owner of the partition
-            # delivers these messages again and their reservations skip them.
+            self._commit_refused(offsets, exc, revoking=partitions is not None)
+        else:
+            if self._refused:
+                logger.info(
+                    "offset commit accepted again, covering the refused ones: consumer %s, %s",
+                    self.settings.name,
+                    _offsets(offsets),
+                )
+                self._refused = False
+
+    def _commit_refused(
+        self, offsets: list[TopicPartition], exc: KafkaException, *, revoking: bool
+    ) -> None:
+        """A refused commit is retried with the next one, unless its partitions are leaving.
+
+        While the partitions stay here, the refused offsets go back to the pending ones, and
+        the next commit (the next message's, the next idle poll's, or the revoke's) carries
+        them, or a later offset of the same partition that supersedes them. One warning is
+        logged per run of refusals, not one per commit. A commit refused as the partitions are
+        revoked cannot be retried: their new owner gets these messages again and its
+        reservations skip them.
+        """
+        text = _offsets(offsets)
+        if revoking:
             logger.warning(
-                "offset commit failed, the messages will be redelivered and skipped as "
-                "duplicates: consumer %s, %s: %s",
+                "offset commit refused as the partitions were revoked, not retried: their new "
+                "owner redelivers these messages and skips them as duplicates: consumer %s, "
+                "%s: %s",
                 self.settings.name,
-                ", ".join(f"{p.topic}[{p.partition}]@{p.offset}" for p in offsets),
+                text,
                 exc,
             )
+            return
+        for offset in offsets:
+            key = (offset.topic, offset.partition)
+            # A later offset of the partition, if one is pending, supersedes this one.
+            self._done[key] = max(self._done.get(key, offset.offset), offset.offset)
+        if not self._refused:
+            logger.warning(
+                "offset commit refused, retried with the next commit (a later offset of the "
+                "same partition supersedes it): consumer %s, %s: %s",
+                self.settings.name,
+                text,
+                exc,
+            )
+            self._refused = True
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._unsettle(partitions)
+        if self.settings.batch_size > 1:
+            for p in partitions:
+                self._warmup[p.topic, p.partition] = self.settings.batch_size
+        self._assigned.update((p.topic, p.partition) for p in partitions)
+        self._reachable()
         logger.info("consumer %s assigned %s", self.settings.name, _partitions(partitions))
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit(partitions)
-        self._unsettle(partitions)
+        self._leave(consumer, partitions)
         logger.info("consumer %s revoked %s", self.settings.name, _partitions(partitions))
+        self._log_waiting()
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._unsettle(partitions)
+        self._leave(consumer, partitions)
         for partition in partitions:
             self._done.pop((partition.topic, partition.partition), None)
         logger.warning(
@@ -359,12 +561,53 @@ class ConsumerRunner:
         for partition in partitions:
             self._settled.discard((partition.topic, partition.partition))
 
+    def _leave(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Forget what this owner kept about partitions that move away."""
+        self._unsettle(partitions)
+        keys = {(p.topic, p.partition) for p in partitions}
+        paused = [TopicPartition(t, p) for t, p in keys if self._paused.pop((t, p), None)]
+        if paused:
+            consumer.resume(paused)  # a later owner here starts it unpaused
+        self._assigned -= keys
+        for key in keys:
+            self._warmup.pop(key, None)
+
+    def _log_waiting(self) -> None:
+        if not self._assigned:
+            logger.info(
+                "consumer %s waiting for partitions of %s (group %s)",
+                self.settings.name,
+                ", ".join(self.settings.topics),
+                self.settings.group,
+            )
+
     def _on_error(self, error: KafkaError) -> None:
+        """librdkafka's error callback (and errors polled as messages): one line per change.
+
+        Unreachable brokers are reported every few milliseconds while librdkafka reconnects; the
+        runner logs the first report, then nothing until a broker answers again (an
+        assignment, a message, a commit).
+        """
         if error.code() == KafkaError._PARTITION_EOF:
             return
         if error.fatal():
             raise KafkaException(error)
+        if error.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
+            if not self._unreachable:
+                self._unreachable = True
+                logger.warning(
+                    "Kafka consumer %s: broker unreachable, retrying quietly: %s",
+                    self.settings.name,
+                    error,
+                )
+            return
         logger.warning("Kafka consumer %s: %s", self.settings.name, error)
+
+    def _reachable(self) -> None:
+        if self._unreachable:
+            self._unreachable = False
+            self._library_log.forget()
+            logger.info("Kafka consumer %s: broker reachable again", self.settings.name)
 
     # The dead-letter topic
 
@@ -376,7 +619,7 @@ class ConsumerRunner:
             .first()
         )
         deliveries, error = row if row is not None else (0, "")
-        return deliveries, error or "EventParked: delivered too many times"
+        return deliveries, error or killed_error(deliveries)
 
     def _dead_letter(self, message: Message, error: str, deliveries: int) -> Outcome:
         """Produce ``message`` to its dead-letter topic and wait for the acknowledgement."""
@@ -385,7 +628,11 @@ class ConsumerRunner:
         target = settings.dead_letter_topic_for(topic)
         headers = _headers(message)
         extra = (error[:4000], deliveries, settings.name, settings.group, topic, partition, offset)
-        headers.extend((n, str(v)) for n, v in zip(DEAD_LETTER_HEADERS, extra, strict=True))
+        # As bytes: an error text may hold a lone surrogate, which a str header cannot carry.
+        headers.extend(
+            (n, str(v).encode("utf-8", "backslashreplace"))
+            for n, v in zip(DEAD_LETTER_HEADERS, extra, strict=True)
+        )
         try:
             _produce_durably(
                 self._dead_letter_producer(),
@@ -394,12 +641,12 @@ class ConsumerRunner:
                 value=message.value(),
                 headers=headers,
             )
-        except (DeadLetterFailed, KafkaException, BufferError) as exc:
+        except (DeadLetterFailed, KafkaException, BufferError, ValueError, TypeError) as exc:
             logger.error(
                 "could not dead-letter %s to %s, the message stays and comes back: %s",
                 _describe(message),
-                target,
-                exc,
+                log_text(target),
+                log_text(exc),
             )
             return Outcome.RETRY
         telemetry.count(telemetry.KAFKA_DEAD_LETTERED, {"idempotency.consumer": settings.name})
@@ -409,22 +656,22 @@ class ConsumerRunner:
             settings.name,
             _describe(message),
             deliveries,
-            error,
+            log_text(error),
         )
         return Outcome.DEAD_LETTERED
 
     def _dead_letter_producer(self) -> Producer:
         if self._producer is None:
-            self._producer = Producer(
-                {**self.settings.producer_config, "enable.idempotence": True, "acks": "all"}
-            )
+            self._producer = Producer(_producer_config(self.settings))
         return self._producer
 
 
 # --- Replaying the dead-letter topic ------------------------------------------------------------
 
 
-def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> Counter[str]:
+def replay_dead_letters(
+    settings: ConsumerSettings | str, idle: float = 5.0, join_timeout: float = 120.0
+) -> Counter[str]:
     """Put this consumer's dead-lettered messages back on their topics, once the cause is fixed.
 
     Reads the consumer's dead-letter topics in the group ``<GROUP>.replay`` (so each message is
@@ -439,10 +686,13 @@ def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> 
     Replayed messages are deduplicated like any other delivery: an event that was applied in the
     meantime is skipped. A message without an event id is not replayed (it would only come back):
     fix its producer and publish it again. Returns counts: ``replayed``, ``skipped`` (other
-    consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message.
+    consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message,
+    timed from the assignment of the dead-letter partitions (joining the group can take longer
+    than ``idle``, and would otherwise end the replay before it read anything).
 
     :raises DeadLetterFailed: a message could not be put back; it stays on the dead-letter topic
-        (its offset there is not committed) and the next run tries it again.
+        (its offset there is not committed) and the next run tries it again. Also when no
+        partitions were assigned within ``join_timeout`` seconds (the brokers unreachable).
     """
     settings = consumer_settings(settings) if isinstance(settings, str) else settings
     dead_letter_topics = sorted({settings.dead_letter_topic_for(t) for t in settings.topics})
@@ -455,14 +705,33 @@ def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> 
             "enable.auto.offset.store": False,
         }
     )
-    producer = Producer({**settings.producer_config, "enable.idempotence": True, "acks": "all"})
+    producer = Producer(_producer_config(settings))
     counts: Counter[str] = Counter()
-    consumer.subscribe(dead_letter_topics)
+    # When the group hands this consumer its partitions (an empty list, if the dead-letter
+    # topics do not exist); until then, no idle time counts.
+    assigned: list[float] = []
+
+    def on_assign(consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        assigned.append(time.monotonic())
+
+    consumer.subscribe(dead_letter_topics, on_assign=on_assign)
+    started = last = time.monotonic()
     try:
         while True:
-            message = consumer.poll(idle)
+            message = consumer.poll(min(idle, 0.5))
+            now = time.monotonic()
             if message is None:
-                break
+                if not assigned:
+                    if now - started > join_timeout:
+                        raise DeadLetterFailed(
+                            f"no partition of {', '.join(dead_letter_topics)} was assigned "
+                            f"within {join_timeout}s: are the brokers reachable?"
+                        )
+                    continue
+                if now - max(last, assigned[-1]) >= idle:
+                    break
+                continue
+            last = now
             if message.error() is not None:
                 continue
             headers = _headers(message)
@@ -492,6 +761,59 @@ def replay_dead_letters(settings: ConsumerSettings | str, idle: float = 5.0) -> 
         consumer.close()
         producer.flush(30)
     return counts
+
+
+def _producer_config(settings: ConsumerSettings) -> dict[str, Any]:
+    """The dead-letter and replay producers' config: durable, and the outbox's partitioner.
+
+    ``murmur2_random`` is the partitioner the outbox's ``KafkaTransport`` (and the Java client)
+    use: a replayed message lands on the partition its key first went to,
+    behind the same key's other messages, and a dead-letter topic with the source topic's
+    partition count keeps each key's dead letters on one partition in order.
+    """
+    return {
+        **settings.producer_config,
+        "enable.idempotence": True,
+        "acks": "all",
+        "partitioner": PARTITIONER,
+        # The consumer takes messages up to the topic's own limit; librdkafka's producer would
+        # refuse one over 1 MB before the broker saw it, and the poison message would come
+        # back for ever. The broker (the dead-letter topic's max.message.bytes) decides.
+        "message.max.bytes": 1_000_000_000,
+        "logger": _LibraryLog(logger),
+    }
+
+
+class _LibraryLog:
+    """librdkafka's log lines, through Python's logging, each text once until :meth:`forget`.
+
+    librdkafka logs each failed reconnection (every few milliseconds while a broker is down)
+    straight to stderr; through this object, a line that was logged already is dropped, so an
+    outage reads as one line per broker, until a broker answers again.
+    """
+
+    def __init__(self, target: logging.Logger) -> None:
+        self._target = target
+        self._seen: set[str] = set()
+
+    def log(self, level: int, fmt: str, *args: object) -> None:
+        text = fmt % args if args else fmt
+        # The parts that change from one repetition to the next (timings, counts) do not count.
+        shape = re.sub(r"\d+", "#", text)
+        if shape in self._seen:
+            return
+        if len(self._seen) >= 1000:
+            self._seen.clear()
+        self._seen.add(shape)
+        self._target.log(level, "librdkafka: %s", log_text(text))
+
+    def forget(self) -> None:
+        """A new state (a broker answered): its lines may be logged again once."""
+        self._seen.clear()
+
+
+def _offsets(offsets: Sequence[TopicPartition]) -> str:
+    return ", ".join(f"{p.topic}[{p.partition}]@{p.offset}" for p in offsets)
 
 
 def _text(value: str | bytes | None) -> str:

@@ -31,7 +31,12 @@ from django.core.checks import CheckMessage, Error
 from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
-__all__ = ["ConsumerSettings", "check_consumers", "parse_consumers"]
+__all__ = ["PARTITIONER", "ConsumerSettings", "check_consumers", "parse_consumers"]
+
+PARTITIONER = "murmur2_random"
+"""The partitioner of every producer of this app (the outbox's ``KafkaTransport``, the runner's
+dead-letter and replay producers): the Java client's key hash, so one key lands on one partition
+whichever of them (or a Java producer) wrote it."""
 
 SETTING = "KAFKA_CONSUMERS"
 REQUIRED = ("HANDLER", "TOPICS", "GROUP", "CONFIG")
@@ -42,7 +47,9 @@ OPTIONAL = (
     "RETRY_DELAY",
     "POLL_TIMEOUT",
     "COMMIT_INTERVAL",
+    "BATCH_SIZE",
 )
+MAX_BATCH_SIZE = 10_000
 EVENT_ID_SOURCES = ("header", "json")
 RUNNER_OWNED = {
     "group.id": "set GROUP instead",
@@ -81,6 +88,18 @@ class ConsumerSettings:
     """Seconds one poll waits: also how soon a stop request is noticed when idle."""
     commit_interval: float = 0.0
     """Seconds between offset commits; 0 commits after every message."""
+    batch_size: int = 1
+    """Messages of one partition applied in one database transaction (batch mode, when above
+    1). One at a time (1, the default), each message has a transaction of its own, as its
+    handler may assume. In batch mode up to ``BATCH_SIZE`` messages of a partition share one
+    transaction, each with its own reservation (a savepoint), and one offset commit follows
+    it: far fewer commits, for handlers that assume no transaction of their own (their
+    ``on_commit`` callbacks run when the whole batch commits, and a rollback of the batch
+    undoes them all). A failure rolls the batch back and the runner applies those messages one
+    at a time, so a poison message is isolated, counted and dead-lettered as with
+    ``BATCH_SIZE=1``. A partition is batched only once it has applied a message since it was
+    assigned here, so a message that kills its consumer is always met one at a time, counted,
+    and parked."""
     producer_config: dict[str, Any] = field(default_factory=dict)
     """The dead-letter producer's connection properties, taken from ``config``."""
 
@@ -173,6 +192,17 @@ def _parse_one(name: Any, entry: Any) -> ConsumerSettings:
         raise _error(
             f"{where}['MAX_DELIVERIES']", f"must be a positive integer, not {max_deliveries!r}."
         )
+    batch_size = entry.get("BATCH_SIZE", 1)
+    if (
+        isinstance(batch_size, bool)
+        or not isinstance(batch_size, int)
+        or not 1 <= batch_size <= MAX_BATCH_SIZE
+    ):
+        raise _error(
+            f"{where}['BATCH_SIZE']",
+            f"must be an integer from 1 (one message per transaction, the default) to "
+            f"{MAX_BATCH_SIZE}, not {batch_size!r}.",
+        )
     poll_timeout = _seconds(f"{where}['POLL_TIMEOUT']", entry.get("POLL_TIMEOUT", 1.0))
     if poll_timeout == 0:
         raise _error(f"{where}['POLL_TIMEOUT']", "must be longer than zero.")
@@ -189,6 +219,7 @@ def _parse_one(name: Any, entry: Any) -> ConsumerSettings:
         retry_delay=_seconds(f"{where}['RETRY_DELAY']", entry.get("RETRY_DELAY", 1.0)),
         poll_timeout=poll_timeout,
         commit_interval=_seconds(f"{where}['COMMIT_INTERVAL']", entry.get("COMMIT_INTERVAL", 0.0)),
+        batch_size=batch_size,
         producer_config={k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)},
     )
 

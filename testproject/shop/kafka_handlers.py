@@ -9,6 +9,8 @@ payload, so the tests can count effects. ``"behaviour"`` makes it misbehave on p
 * ``"fail_twice"``: raise on the first two deliveries, then succeed;
 * ``"die"``: SIGKILL its own process, inside the transaction (a message that kills its
   consumer every time), unless ``$SHOP_KAFKA_FIXED`` is set;
+* ``"exit"``: end its own process with ``os._exit(3)`` inside the transaction (a crash that
+  runs no cleanup: a segfault in a client library, say);
 * ``"slow"``: write ``<event id>.started`` into ``$SHOP_KAFKA_PAUSE_DIR``, then take two
   seconds (the graceful stop test sends SIGTERM meanwhile);
 * ``"pause_after_commit"``: after the transaction commits, write ``<event id>.committed`` into
@@ -55,6 +57,8 @@ def apply(message: Message) -> None:
             raise RuntimeError(f"failure {deliveries} of {event_id}")
     if behaviour == "die" and not os.environ.get("SHOP_KAFKA_FIXED"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if behaviour == "exit":
+        os._exit(3)
     if behaviour == "slow":
         (Path(os.environ["SHOP_KAFKA_PAUSE_DIR"]) / f"{event_id}.started").touch()
         time.sleep(2)

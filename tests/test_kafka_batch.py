@@ -1,0 +1,206 @@
+"""Batch mode of the Kafka runner (``BATCH_SIZE`` above 1): one transaction and one offset
+commit per batch of a partition, one reservation per message, and the one-at-a-time fallback
+that isolates a poison message. Fast in-process proofs on the mock cluster, then the slow
+SIGKILL, poison and rebalance proofs with real consumer processes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("confluent_kafka")
+
+from confluent_kafka import Message
+from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
+
+from django_idempotency.kafka.runner import ConsumerRunner, Outcome
+from django_idempotency.kafka.settings import parse_consumers
+from testproject.shop.models import Effect
+from tests import test_kafka_runner as one_at_a_time
+from tests.kafka_cluster import Cluster
+from tests.test_kafka_runner import consumers  # noqa: F401 - the fixture of the slow proofs
+from tests.test_kafka_runner_fast import (
+    committed,
+    effect_ids,
+    event,
+    produce,
+    recording_handler,
+    settings_for,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.django_db(transaction=True)]
+
+
+@pytest.fixture
+def topic(kafka_cluster: Cluster) -> str:
+    return kafka_cluster.new_topic("batch")
+
+
+def test_a_batch_is_one_transaction_with_one_offset_commit(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """A newly assigned partition takes its first BATCH_SIZE (3) messages one at a time, and
+    one more to settle; the next ones share one transaction per batch: all the batch's
+    handlers run before any of its commit hooks."""
+    values = [event() for _ in range(12)]
+    produce(kafka_cluster, topic, values)
+    ids = [json.loads(v)["event_id"] for v in values]
+    order: list[str] = []
+
+    def handler(message: Message) -> None:
+        event_id = json.loads(message.value() or b"")["event_id"]
+        Effect.objects.create(name="fast", payload=event_id)
+        order.append(f"run {event_id}")
+        transaction.on_commit(lambda: order.append(f"commit {event_id}"))
+
+    settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
+    runner = ConsumerRunner(settings, handler)
+    runner.run(max_messages=12)
+
+    assert runner.counts == {Outcome.APPLIED: 12}
+    alone = [entry for event_id in ids[:4] for entry in (f"run {event_id}", f"commit {event_id}")]
+    assert order[:8] == alone
+    assert "run" in order[9]  # a second handler before the first one's commit: one batch
+    assert sorted(entry.split()[1] for entry in order if entry.startswith("commit")) == sorted(ids)
+    assert sorted(effect_ids()) == sorted(ids)
+    assert sum(committed(kafka_cluster, settings).values()) == 12
+
+
+def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    values = [event() for _ in range(3)] + [event(poison=True)] + [event() for _ in range(3)]
+    produce(kafka_cluster, topic, values)
+    ids = [json.loads(v)["event_id"] for v in values]
+    seen: list[str] = []
+    settings = settings_for(
+        kafka_cluster, topic, batch_size=50, event_id_source="json", max_deliveries=1
+    )
+    runner = ConsumerRunner(settings, recording_handler(seen, fail=lambda e: "poison" in e))
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    try:
+        wait_until(lambda: runner.counts[Outcome.DEAD_LETTERED] == 1 and len(effect_ids()) == 6)
+        wait_until(lambda: sum(committed(kafka_cluster, settings).values()) == 7)
+    finally:
+        runner.stop()
+        thread.join(30)
+
+    healthy = [i for i in ids if i != ids[3]]
+    assert Counter(effect_ids()) == Counter(healthy)  # once each, the batch's rolled back
+    assert runner.counts[Outcome.DEAD_LETTERED] == 1
+    assert runner.counts[Outcome.APPLIED] == 6
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert json.loads(dead.value() or b"")["event_id"] == ids[3]
+    assert sum(committed(kafka_cluster, settings).values()) == 7
+
+
+@pytest.mark.parametrize("value", [0, -1, True, "10", 1.5, 10_001])
+def test_batch_size_is_validated(value: Any) -> None:
+    entry = {
+        "HANDLER": "x.y",
+        "TOPICS": ["t"],
+        "GROUP": "g",
+        "CONFIG": {"bootstrap.servers": "k:9092"},
+        "BATCH_SIZE": value,
+    }
+    with pytest.raises(ImproperlyConfigured, match=r"\['BATCH_SIZE'\] must be an integer"):
+        parse_consumers("KAFKA_CONSUMERS", {"c": entry})
+
+
+def test_batch_size_defaults_to_one_message_per_transaction() -> None:
+    entry = {"HANDLER": "x.y", "TOPICS": ["t"], "GROUP": "g", "CONFIG": {"bootstrap.servers": "k"}}
+    assert parse_consumers("KAFKA_CONSUMERS", {"c": entry})["c"].batch_size == 1
+
+
+# --- The slow proofs, in batch mode ------------------------------------------------------------
+
+
+@pytest.fixture
+def batched(consumers: Any) -> Any:  # noqa: F811 - the imported fixture
+    """The slow proofs' consumers, in batch mode (BATCH_SIZE=50)."""
+
+    def start(**env: str) -> Any:
+        return consumers(SHOP_KAFKA_BATCH_SIZE="50", **env)
+
+    start.topic = consumers.topic  # type: ignore[attr-defined]
+    start.group = consumers.group  # type: ignore[attr-defined]
+    return start
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_batch_killed_after_the_database_commit_before_the_offset_commit(
+    kafka_cluster: Cluster, batched: Any, tmp_path: Path
+) -> None:
+    """A batch commits, then its consumer is SIGKILLed before the offset commit: the next
+    consumer meets every message of the batch again and skips each as a duplicate."""
+    first, paused, *after = one_at_a_time.events(7)
+    paused["behaviour"] = "pause_after_commit"
+    kafka_cluster.produce(batched.topic, [first, paused, *after], key=lambda e: "one")
+    consumer = batched(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
+    one_at_a_time.wait_for_file(tmp_path / f"{paused['event_id']}.committed", consumer)
+    consumer.kill()
+
+    in_batch = set(one_at_a_time.effects()) - {first["event_id"]}
+    assert paused["event_id"] in in_batch
+    assert kafka_cluster.backlog(batched.topic, batched.group) == 6  # the first one's only
+
+    second = batched()
+    kafka_cluster.wait_caught_up(batched.topic, batched.group)
+    assert one_at_a_time.effects() == Counter(e["event_id"] for e in [first, paused, *after])
+    assert second.terminate() == 0
+    for event_id in in_batch:
+        assert f"duplicate ignored: event {event_id}" in second.output()
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_batch_poison_message_is_dead_lettered_and_the_consumer_goes_on(
+    kafka_cluster: Cluster, batched: Any
+) -> None:
+    one_at_a_time.test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
+        kafka_cluster, batched
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_batch_message_that_kills_its_consumer_is_dead_lettered(
+    kafka_cluster: Cluster, batched: Any
+) -> None:
+    """A killer inside a batch: each new owner takes its first BATCH_SIZE messages one at a
+    time and counted, so the killer is counted on every death and parked after
+    MAX_DELIVERIES (3) of them; the messages around it are applied once."""
+    before, after = one_at_a_time.events(2), one_at_a_time.events(2)
+    [killer] = one_at_a_time.events(1, behaviour="die")
+    kafka_cluster.produce(batched.topic, [*before, killer, *after], key=lambda e: "one")
+    deaths, consumer = one_at_a_time.until_one_survives(batched, applied=4)
+    assert deaths == 3
+    kafka_cluster.wait_caught_up(batched.topic, batched.group)
+
+    assert one_at_a_time.effects() == Counter(e["event_id"] for e in [*before, *after])
+    [dead] = kafka_cluster.read(f"{batched.topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    assert consumer.terminate() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_batch_two_consumers_through_rebalances_apply_each_event_once(
+    kafka_cluster: Cluster, batched: Any
+) -> None:
+    one_at_a_time.test_two_consumers_through_rebalances_apply_each_event_once(
+        kafka_cluster, batched
+    )

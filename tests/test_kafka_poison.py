@@ -1,0 +1,127 @@
+"""Poison for the Kafka runner: whatever a message carries, the loop goes on.
+
+One partition holds a poison message followed by healthy ones. Consumers
+(``manage.py idempotency_consume shop.kafka`` subprocesses, ``EVENT_ID="json:event_id"``,
+``MAX_DELIVERIES=3``) are started one after another until one survives; the poison message
+must end on the dead-letter topic within its limit, and every healthy message be applied once.
+Runs on the mock cluster, or on the broker named by ``KAFKA_BOOTSTRAP_SERVERS`` (Tansu).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+from django.db import connection
+
+pytest.importorskip("confluent_kafka")
+
+from testproject.shop.models import Effect
+from tests.kafka_cluster import Cluster, ConsumerProcess, start_consumer
+from tests.workers import database_url
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres,
+    pytest.mark.mysql,
+    pytest.mark.timeout(300),
+    pytest.mark.django_db(transaction=True),
+]
+
+
+def poison(kind: str) -> tuple[bytes, int, int]:
+    """The poison value of ``kind``, the consumer deaths it causes, and its dead-letter
+    count (0: it is not poison to the runner, and is applied like a healthy message)."""
+    event_id = str(uuid.uuid4())
+    if kind == "raises":
+        return json.dumps({"event_id": event_id, "behaviour": "fail"}).encode(), 0, 1
+    if kind == "exits":  # os._exit in the handler: counted on each consumer, parked on the 4th
+        return json.dumps({"event_id": event_id, "behaviour": "exit"}).encode(), 3, 1
+    if kind == "huge":  # over librdkafka's default 1 MB message.max.bytes, and it raises
+        body = {"event_id": event_id, "behaviour": "fail", "pad": "x" * 1_200_000}
+        return json.dumps(body).encode(), 0, 1
+    if kind == "deeply-nested":
+        return b"[" * 200_000, 0, 1
+    if kind == "surrogate-id":
+        return b'{"event_id": "\\ud800' + event_id.encode() + b'"}', 0, 1
+    if kind == "nul-id":
+        return b'{"event_id": "\\u0000' + event_id.encode() + b'"}', 0, 1
+    if kind == "surrogate-and-nul-payload":  # a valid id: applied, the odd payload untouched
+        return b'{"event_id": "' + event_id.encode() + b'", "x": "\\ud800\\u0000"}', 0, 0
+    raise AssertionError(kind)
+
+
+KINDS = [
+    "raises",
+    "exits",
+    "huge",
+    "deeply-nested",
+    "surrogate-id",
+    "nul-id",
+    "surrogate-and-nul-payload",
+]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
+    kafka_cluster: Cluster, tmp_path: Path, kind: str
+) -> None:
+    topic = kafka_cluster.new_topic("poison")
+    group = f"group-{uuid.uuid4().hex[:8]}"
+    value, deaths, dead_letters = poison(kind)
+    healthy = [{"event_id": str(uuid.uuid4())} for _ in range(3)]
+    producer = Producer(
+        {"bootstrap.servers": kafka_cluster.bootstrap, "message.max.bytes": 4_000_000}
+    )
+    for body in [value, *(json.dumps(h).encode() for h in healthy)]:
+        producer.produce(topic, value=body, key=b"one-partition")
+    assert producer.flush(30) == 0
+
+    started: list[ConsumerProcess] = []
+    try:
+        for _ in range(deaths + 1):
+            consumer = start_consumer(
+                kafka_cluster,
+                topic=topic,
+                group=group,
+                db_url=database_url(connection.settings_dict),
+                log_dir=tmp_path,
+                name=f"consumer{len(started)}",
+                extra_env={"SHOP_KAFKA_EVENT_ID": "json:event_id"},
+            )
+            started.append(consumer)
+            for _ in range(900):
+                if consumer.process.poll() is not None or applied() >= len(healthy):
+                    break
+                threading.Event().wait(0.1)
+            if consumer.process.poll() is None:
+                break
+            assert consumer.process.returncode == 3, consumer.output()[-3000:]
+        survivor = started[-1]
+        assert len(started) == deaths + 1, [c.output()[-2000:] for c in started]
+        kafka_cluster.wait_caught_up(topic, group, timeout=90)
+        assert survivor.terminate() == 0, survivor.output()[-3000:]
+    finally:
+        for consumer in started:
+            if consumer.process.poll() is None:
+                consumer.kill()
+
+    expected = Counter(h["event_id"] for h in healthy)
+    if not dead_letters:
+        expected[json.loads(value)["event_id"]] += 1
+    assert effects() == expected
+    dead = kafka_cluster.read(f"{topic}.dlq", 1, timeout=10 if not dead_letters else 30)
+    assert [m.value() for m in dead] == [value] * dead_letters
+
+
+def effects() -> Counter[str]:
+    return Counter(Effect.objects.filter(name="kafka").values_list("payload", flat=True))
+
+
+def applied() -> int:
+    return Effect.objects.filter(name="kafka").count()
