@@ -455,6 +455,7 @@ class CeleryTransport:
         for index in indexes:
             if call.held_back(index):
                 continue
+            before = confirms.last_tag if confirms is not None else 0
             try:
                 message = call.messages[index]
                 with telemetry.sending(message.headers, {"messaging.system": "celery"}):
@@ -470,11 +471,18 @@ class CeleryTransport:
                 if self._is_connection_error(exc):
                     raise
                 call.fail(index, exc)
+                if confirms is not None:
+                    confirms.ignore(confirms.published_since(before))
                 continue
             if queue_name is not None:
                 declared.add(queue_name)
             if confirms is not None:
-                tags[confirms.published()] = index
+                # The task message is the first publish; any later one (the task-sent event
+                # of task_send_sent_event) took a tag of its own, whose answer is not ours.
+                published = confirms.published_since(before)
+                if published:
+                    tags[published[0]] = index
+                    confirms.ignore(published[1:])
         return tags
 
     def _task_message(
@@ -664,15 +672,30 @@ class _Confirms:
         channel.confirm_select()
         self.last_tag = 0
         self.pending: set[int] = set()
+        self.ignored: set[int] = set()
         self.answers: dict[int, BaseException | None] = {}
         channel.events["basic_ack"].add(self._ack)
         channel.events["basic_nack"].add(self._nack)
+        # The broker numbers every publish on the channel, not only the outbox's task messages
+        # (send_task_message also publishes the task-sent event): count them all.
+        publish = channel.basic_publish
 
-    def published(self) -> int:
-        """The delivery tag of the message just published."""
-        self.last_tag += 1
-        self.pending.add(self.last_tag)
-        return self.last_tag
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.last_tag += 1
+            self.pending.add(self.last_tag)
+            return publish(*args, **kwargs)
+
+        channel.basic_publish = counted
+
+    def published_since(self, before: int) -> list[int]:
+        """The delivery tags of the publishes after tag ``before``."""
+        return list(range(before + 1, self.last_tag + 1))
+
+    def ignore(self, tags: Iterable[int]) -> None:
+        """Tags whose answers nobody waits for (dropped when they come)."""
+        for tag in tags:
+            if tag in self.pending:
+                self.ignored.add(tag)
 
     def _ack(self, tag: int, multiple: bool) -> None:
         self._answer(tag, multiple, None)
@@ -686,7 +709,10 @@ class _Confirms:
         answered = [t for t in self.pending if t <= tag] if multiple else [tag]
         for t in answered:
             self.pending.discard(t)
-            self.answers[t] = error
+            if t in self.ignored:
+                self.ignored.discard(t)
+            else:
+                self.answers[t] = error
 
     def wait(
         self, tags: Mapping[int, int], connection: Any, deadline: float
