@@ -1,0 +1,111 @@
+"""Review 2: a failing OpenTelemetry SDK, and garbage trace headers, never break the library.
+
+A span processor that raises (a user's, or an exporter called synchronously by
+``SimpleSpanProcessor``'s caller), or a meter whose instruments cannot be made, is logged and
+ignored: the request is answered, the consumer applies its event, the relay sends its batch.
+A ``traceparent`` that a client or an old row carries, however malformed or large, is ignored.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from django.db import transaction
+from django.test import Client
+
+pytest.importorskip("opentelemetry.sdk")
+
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+
+from django_idempotency import telemetry
+from django_idempotency.events.core import process_event
+from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox import core as outbox
+from django_idempotency.outbox.relay import Relay
+from tests.probes import post
+from tests.test_telemetry import Answering
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+class Broken(RuntimeError):
+    pass
+
+
+class RaisingProcessor(SpanProcessor):
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        raise Broken("span processor on_start")
+
+    def on_end(self, span: Any) -> None:
+        raise Broken("span processor on_end")
+
+
+class RaisingMeter:
+    def __getattr__(self, name: str) -> Any:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise Broken(f"meter.{name}")
+
+        return fail
+
+
+class RaisingMeterProvider:
+    def get_meter(self, *args: Any, **kwargs: Any) -> RaisingMeter:
+        return RaisingMeter()
+
+
+@pytest.fixture
+def broken_sdk() -> Iterator[None]:
+    provider = TracerProvider()
+    provider.add_span_processor(RaisingProcessor())
+    telemetry.configure(tracer_provider=provider, meter_provider=RaisingMeterProvider())
+    yield
+    telemetry.reset()
+
+
+def test_a_request_is_answered_when_the_sdk_raises(client: Client, broken_sdk: None) -> None:
+    first = post(client, "/probe/effect/", "rv2-broken-sdk", {"a": 1})
+    replay = post(client, "/probe/effect/", "rv2-broken-sdk", {"a": 1})
+    assert first.status_code < 300, first.content
+    assert replay.status_code == first.status_code
+
+
+def test_a_consumer_applies_when_the_sdk_raises(broken_sdk: None) -> None:
+    applied: list[int] = []
+    process_event("c.rv2", str(uuid.uuid4()), lambda: applied.append(1))
+    assert applied == [1]
+
+
+def test_the_relay_sends_when_the_sdk_raises(broken_sdk: None) -> None:
+    with transaction.atomic():
+        outbox.send("rv2.topic", {"n": 1})
+    Relay(transports={"default": Answering(set())}).run_once()
+    assert list(OutboxEntry.objects.values_list("state", flat=True)) == ["sent"]
+
+
+GARBAGE = [
+    "",
+    "00-" + "z" * 32 + "-" + "0" * 16 + "-01",
+    "00-00000000000000000000000000000000-0000000000000000-01",
+    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "x" * 1_000_000,
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\n\x00",
+]
+
+
+@pytest.mark.parametrize("value", GARBAGE, ids=range(len(GARBAGE)))
+def test_a_garbage_traceparent_is_ignored(value: str) -> None:
+    from tests.otel_helpers import sdk
+
+    sdk()
+    try:
+        headers = {"traceparent": value, "tracestate": value}
+        with telemetry.consuming("c.rv2", headers, "e"):
+            pass
+        with telemetry.sending(headers):
+            pass
+        assert telemetry.celery_carrier(type("R", (), {"headers": headers})()) == headers
+    finally:
+        telemetry.reset()
