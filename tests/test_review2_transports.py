@@ -9,8 +9,11 @@ refused.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from amqp.exceptions import MessageNacked
+from django.utils import timezone
 from kombu import Connection, Queue
 
 from django_idempotency.outbox.transports import CeleryTransport
@@ -51,3 +54,25 @@ def test_a_nack_is_not_taken_for_the_ack_of_a_task_sent_event() -> None:
     assert isinstance(second[0], MessageNacked), second
     assert received[0] is not None and received[0].payload[1]["n"] == 0
     assert received[1] is None
+
+
+def test_an_iso_expires_is_sent_as_send_task_sends_it(broker_url: str) -> None:
+    """``publish(task, expires="2026-...T...+00:00")``: the one ``expires`` JSON can hold as a
+    moment (a datetime cannot be stored), which ``send_task`` accepts."""
+    from tests.test_transport_batches import drain
+    from tests.workers import delete_queue
+
+    name = new_queue_name("rv2-expires")
+    at = (timezone.now() + timedelta(hours=1)).isoformat()
+    app = celery_app(broker_url)
+    transport = CeleryTransport(app=app)
+    try:
+        results = transport.send([message(name, 0, expires=at)])
+        transport.close()
+        [received] = drain(broker_url, name, 1) if results == [None] else [None]
+    finally:
+        delete_queue(broker_url, name)
+
+    assert results == [None], results
+    assert received is not None
+    assert received.headers["expires"] is not None

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from django.core.exceptions import ImproperlyConfigured
@@ -517,11 +517,14 @@ class CeleryTransport:
         task_type: Any = task  # send_task passes the registered task instance too
         options = app.amqp.router.route(options, name, tuple(args), kwargs, task_type)
         if expires is not None:
-            seconds = (
-                (expires - app.now()).total_seconds()
-                if isinstance(expires, datetime)
-                else float(expires)
-            )
+            # As send_task: a moment (an ISO 8601 string is the one JSON can store) or seconds.
+            if isinstance(expires, (datetime, str)):
+                moment = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
+                if moment.tzinfo is None:  # send_task takes a naive moment for UTC
+                    moment = moment.replace(tzinfo=UTC)
+                seconds = (moment - app.now()).total_seconds()
+            else:
+                seconds = float(expires)
             options["expiration"] = max(0.0, seconds)
         task_message = app.amqp.create_task_message(
             message.event_id,
