@@ -541,9 +541,17 @@ def carrier(headers: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> di
     """The trace-context headers among ``headers`` (a mapping, or Kafka's (name, bytes) pairs)."""
     if not headers:
         return {}
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    if isinstance(headers, Mapping):
+        pairs: Iterable[Any] = headers.items()
+    elif isinstance(headers, (list, tuple)):
+        pairs = headers
+    else:  # a client's own header named "headers" (a string, a number): no trace context
+        return {}
     found: dict[str, str] = {}
-    for name, value in pairs:
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            continue
+        name, value = pair
         if name in TRACE_HEADERS:
             if isinstance(value, bytes):
                 value = value.decode("utf-8", "replace")

@@ -109,3 +109,14 @@ def test_a_garbage_traceparent_is_ignored(value: str) -> None:
         assert telemetry.celery_carrier(type("R", (), {"headers": headers})()) == headers
     finally:
         telemetry.reset()
+
+
+@pytest.mark.parametrize("value", ["abc", b"abc", 42, ["ab", "c"], [("traceparent",)]])
+def test_a_foreign_headers_header_does_not_break_a_celery_consumer(value: Any) -> None:
+    """A worker makes each message header an attribute of the task request, so a header that a
+    client (or ``outbox.publish(headers={"headers": ...})``) named ``headers`` becomes
+    ``request.headers``: reading the trace context from it must not raise."""
+    from celery.app.task import Context
+
+    request = Context({"headers": value, "traceparent": GARBAGE[3], "id": "x"})
+    assert telemetry.celery_carrier(request) == {"traceparent": GARBAGE[3]}
