@@ -120,3 +120,25 @@ def test_a_foreign_headers_header_does_not_break_a_celery_consumer(value: Any) -
 
     request = Context({"headers": value, "traceparent": GARBAGE[3], "id": "x"})
     assert telemetry.celery_carrier(request) == {"traceparent": GARBAGE[3]}
+
+
+@pytest.mark.broker
+def test_a_celery_transport_sends_when_the_sdk_raises(broker_url: str, broken_sdk: None) -> None:
+    """The producer span around each publish (``telemetry.sending``) fails: the message is
+    still published, and reported sent."""
+    from django_idempotency.outbox.transports import CeleryTransport
+    from tests.test_transport_batches import celery_app, drain, message
+    from tests.workers import delete_queue, new_queue_name
+
+    name = new_queue_name("rv2-otel")
+    outgoing = message(name, 0)
+    outgoing.headers["traceparent"] = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    transport = CeleryTransport(app=celery_app(broker_url))
+    try:
+        results = transport.send([outgoing])
+        transport.close()
+        received = drain(broker_url, name, 1) if results == [None] else []
+    finally:
+        delete_queue(broker_url, name)
+    assert results == [None], results
+    assert received[0].headers["event_id"] == outgoing.event_id
