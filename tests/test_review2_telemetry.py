@@ -142,3 +142,47 @@ def test_a_celery_transport_sends_when_the_sdk_raises(broker_url: str, broken_sd
         delete_queue(broker_url, name)
     assert results == [None], results
     assert received[0].headers["event_id"] == outgoing.event_id
+
+
+def test_a_phased_flow_completes_when_the_sdk_raises(
+    client: Client, broken_sdk: None, remote_calls: Any
+) -> None:
+    assert post(client, "/probe/flow/", str(uuid.uuid4())).status_code == 201
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+def test_the_kafka_runner_applies_when_the_sdk_raises(
+    kafka_cluster: Any, broken_sdk: None
+) -> None:
+    """The runner's consumer span and counters fail, and a message carries a garbage
+    ``traceparent`` header: each message is still applied once, none dead-lettered."""
+    from django_idempotency.kafka.runner import ConsumerRunner
+    from django_idempotency.kafka.settings import parse_consumers
+
+    topic = kafka_cluster.new_topic("rv2-otel")
+    [settings] = parse_consumers(
+        "KAFKA_CONSUMERS",
+        {
+            "rv2.kafka": {
+                "HANDLER": "testproject.shop.kafka_handlers.apply",
+                "TOPICS": [topic],
+                "GROUP": f"rv2-{uuid.uuid4().hex[:8]}",
+                "CONFIG": {"bootstrap.servers": kafka_cluster.bootstrap},
+                "MAX_DELIVERIES": 2,
+                "RETRY_DELAY": 0.1,
+                "POLL_TIMEOUT": 0.2,
+            }
+        },
+    ).values()
+    good = str(uuid.uuid4())
+    kafka_cluster.producer.produce(
+        topic,
+        value=b'{"event_id": "%s"}' % good.encode(),
+        headers={"event_id": good, "traceparent": b"\xff" * 4096, "tracestate": b"x" * 100_000},
+    )
+    kafka_cluster.producer.flush(30)
+    kafka_cluster.produce(topic, [{"event_id": str(uuid.uuid4())}])
+    runner = ConsumerRunner(settings)
+    runner.run(max_messages=2)
+    assert {outcome.value: n for outcome, n in runner.counts.items()} == {"applied": 2}
