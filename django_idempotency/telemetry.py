@@ -220,6 +220,59 @@ _NULL = nullcontext()
 """The context manager of a span that is not recorded: reusable, it does nothing."""
 
 
+def _failed(what: str) -> None:
+    """Log a failure of OpenTelemetry (API, SDK, a span processor, an exporter) and go on."""
+    logger.warning("telemetry: %s failed; ignored", what, exc_info=True)
+
+
+class _Guarded:
+    """A span's context manager whose own failures are logged and ignored.
+
+    ``start`` makes the underlying context manager. An error from it, from entering it, or from
+    leaving it (a span processor's ``on_end``) never reaches the caller; the block's own
+    exception always does.
+    """
+
+    __slots__ = ("_inner", "_start")
+
+    def __init__(self, start: Callable[[], AbstractContextManager[Any]]) -> None:
+        self._start = start
+        self._inner: AbstractContextManager[Any] | None = None
+
+    def __enter__(self) -> Any:
+        try:
+            inner = self._start()
+            value = inner.__enter__()
+        except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+            _failed("starting a span")
+            return None
+        self._inner = inner
+        return value
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        inner, self._inner = self._inner, None
+        if inner is None:
+            return
+        try:
+            inner.__exit__(exc_type, exc, tb)
+        except Exception as error:  # noqa: BLE001 - telemetry never breaks the caller
+            if error is not exc:
+                _failed("ending a span")
+
+
+def _quiet(func: F) -> F:
+    """Run ``func`` (a metric or span helper that returns None) with its failures ignored."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        try:
+            func(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+            _failed(func.__name__)
+
+    return cast(F, wrapper)
+
+
 class _Timed:
     """A span ``idempotency.<step>`` and a histogram point of its duration: either may be off."""
 
@@ -243,7 +296,10 @@ class _Timed:
         finally:
             if self._histogram is not None:
                 elapsed = time.perf_counter() - self._started
-                self._histogram.record(elapsed, {"idempotency.step": self._step})
+                try:
+                    self._histogram.record(elapsed, {"idempotency.step": self._step})
+                except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+                    _failed("recording a duration")
 
 
 def configure(tracer_provider: Any = None, meter_provider: Any = None) -> None:
@@ -289,6 +345,7 @@ def _instrument(api: _Api, name: str) -> Any:
 # --- Metrics ------------------------------------------------------------------------------------
 
 
+@_quiet
 def count(name: str, attributes: Mapping[str, str], amount: int = 1) -> None:
     """Add ``amount`` to the counter ``name`` (one of :data:`COUNTERS`)."""
     api = _meter()
@@ -297,6 +354,7 @@ def count(name: str, attributes: Mapping[str, str], amount: int = 1) -> None:
     _instrument(api, name).add(amount, dict(attributes))
 
 
+@_quiet
 def record(name: str, value: float, attributes: Mapping[str, str]) -> None:
     """Record ``value`` in the histogram ``name`` (one of :data:`HISTOGRAMS`)."""
     api = _meter()
@@ -305,6 +363,7 @@ def record(name: str, value: float, attributes: Mapping[str, str]) -> None:
     _instrument(api, name).record(value, dict(attributes))
 
 
+@_quiet
 def http_outcome(outcome: str, level: int = logging.INFO) -> None:
     """Count one HTTP request under its outcome (the word the HTTP core logs).
 
@@ -327,6 +386,7 @@ def http_outcome(outcome: str, level: int = logging.INFO) -> None:
             current.set_attribute("idempotency.outcome", category)
 
 
+@_quiet
 def delivery(consumer: str, outcome: str) -> None:
     """Count one delivery to ``consumer``: applied, duplicate, failed or parked."""
     api = _api()
@@ -346,6 +406,7 @@ def flow_run(flow: str, outcome: str) -> None:
     count(FLOW_RUNS, {"idempotency.flow": flow, "idempotency.outcome": outcome})
 
 
+@_quiet
 def outbox_sends(
     rows: Sequence[Any], outcomes: Sequence[BaseException | None], max_attempts: int
 ) -> None:
@@ -382,8 +443,10 @@ def span(
     api = _tracer()
     if api is None:
         return _NULL
-    return api.tracer.start_as_current_span(
-        name, kind=getattr(api.trace.SpanKind, kind), attributes=attributes
+    return _Guarded(
+        lambda: api.tracer.start_as_current_span(
+            name, kind=getattr(api.trace.SpanKind, kind), attributes=attributes
+        )
     )
 
 
@@ -399,10 +462,17 @@ def timed(step: str, histogram: str = HTTP_DURATION) -> AbstractContextManager[N
     tracing, metering = api.tracing(), api.metering()
     if not (tracing or metering):
         return _NULL
+    try:
+        instrument = _instrument(api, histogram) if metering else None
+    except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+        _failed("making a histogram")
+        instrument = None
     return _Timed(
         step,
-        api.tracer.start_as_current_span(f"idempotency.{step}") if tracing else None,
-        _instrument(api, histogram) if metering else None,
+        _Guarded(lambda: api.tracer.start_as_current_span(f"idempotency.{step}"))
+        if tracing
+        else None,
+        instrument,
     )
 
 
@@ -422,7 +492,7 @@ def traced(name: str, *, argument: int | None = None, attribute: str = "") -> Ca
             attributes = {}
             if argument is not None and len(args) > argument:
                 attributes[attribute] = str(args[argument])
-            with api.tracer.start_as_current_span(name, attributes=attributes):
+            with _Guarded(lambda: api.tracer.start_as_current_span(name, attributes=attributes)):
                 return func(*args, **kwargs)
 
         return cast(F, wrapper)
@@ -458,7 +528,11 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     if api is None or "traceparent" in headers:
         return headers
     carrier: dict[str, str] = {}
-    api.propagate.inject(carrier)
+    try:
+        api.propagate.inject(carrier)
+    except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+        _failed("injecting the trace context")
+        return headers
     found = {name: carrier[name] for name in TRACE_HEADERS if name in carrier}
     return {**headers, **found} if found else headers
 
@@ -467,9 +541,17 @@ def carrier(headers: Mapping[str, Any] | Iterable[tuple[str, Any]] | None) -> di
     """The trace-context headers among ``headers`` (a mapping, or Kafka's (name, bytes) pairs)."""
     if not headers:
         return {}
-    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    if isinstance(headers, Mapping):
+        pairs: Iterable[Any] = headers.items()
+    elif isinstance(headers, (list, tuple)):
+        pairs = headers
+    else:  # a client's own header named "headers" (a string, a number): no trace context
+        return {}
     found: dict[str, str] = {}
-    for name, value in pairs:
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            continue
+        name, value = pair
         if name in TRACE_HEADERS:
             if isinstance(value, bytes):
                 value = value.decode("utf-8", "replace")
@@ -516,23 +598,26 @@ def sending(
     if api is None:
         yield
         return
-    remote = _remote(api, carrier(headers))
-    if remote is None:
-        with api.tracer.start_as_current_span(
-            "idempotency.outbox.send", kind=api.trace.SpanKind.PRODUCER, attributes=attributes
-        ):
-            yield
-        return
-    batch = api.trace.get_current_span().get_span_context()
-    links = [api.trace.Link(batch)] if batch.is_valid else []
-    parent = api.trace.set_span_in_context(api.trace.NonRecordingSpan(remote))
-    with api.tracer.start_as_current_span(
-        "idempotency.outbox.send",
-        context=parent,
-        kind=api.trace.SpanKind.PRODUCER,
-        links=links,
-        attributes=attributes,
-    ):
+
+    def start() -> AbstractContextManager[Any]:
+        assert api is not None
+        remote = _remote(api, carrier(headers))
+        if remote is None:
+            return api.tracer.start_as_current_span(
+                "idempotency.outbox.send", kind=api.trace.SpanKind.PRODUCER, attributes=attributes
+            )
+        batch = api.trace.get_current_span().get_span_context()
+        links = [api.trace.Link(batch)] if batch.is_valid else []
+        parent = api.trace.set_span_in_context(api.trace.NonRecordingSpan(remote))
+        return api.tracer.start_as_current_span(
+            "idempotency.outbox.send",
+            context=parent,
+            kind=api.trace.SpanKind.PRODUCER,
+            links=links,
+            attributes=attributes,
+        )
+
+    with _Guarded(start):
         yield
 
 
@@ -551,25 +636,30 @@ def consuming(
     if api is None:
         yield
         return
-    remote = _remote(api, headers)
-    current = api.trace.get_current_span().get_span_context()
-    context = None
-    links = []
-    if remote is not None:
-        if not current.is_valid:
-            context = api.trace.set_span_in_context(api.trace.NonRecordingSpan(remote))
-        elif current.trace_id != remote.trace_id:
-            links.append(api.trace.Link(remote))
-    attributes = {"idempotency.consumer": consumer}
-    if event_id is not None:
-        attributes["messaging.message.id"] = event_id
-    with api.tracer.start_as_current_span(
-        "idempotency.consume",
-        context=context,
-        kind=api.trace.SpanKind.CONSUMER,
-        links=links,
-        attributes=attributes,
-    ):
+
+    def start() -> AbstractContextManager[Any]:
+        assert api is not None
+        remote = _remote(api, headers)
+        current = api.trace.get_current_span().get_span_context()
+        context = None
+        links = []
+        if remote is not None:
+            if not current.is_valid:
+                context = api.trace.set_span_in_context(api.trace.NonRecordingSpan(remote))
+            elif current.trace_id != remote.trace_id:
+                links.append(api.trace.Link(remote))
+        attributes = {"idempotency.consumer": consumer}
+        if event_id is not None:
+            attributes["messaging.message.id"] = event_id
+        return api.tracer.start_as_current_span(
+            "idempotency.consume",
+            context=context,
+            kind=api.trace.SpanKind.CONSUMER,
+            links=links,
+            attributes=attributes,
+        )
+
+    with _Guarded(start):
         yield
 
 
@@ -583,6 +673,14 @@ def observe(using: str | None = None) -> bool:
     one process should report them, not every web worker: the relay (``idempotency_relay``)
     calls this for its database. Calling it twice for one database registers nothing more.
     """
+    try:
+        return _observe(using)
+    except Exception:  # noqa: BLE001 - telemetry never breaks the caller
+        _failed("registering the gauges")
+        return False
+
+
+def _observe(using: str | None) -> bool:
     api = _api()
     alias = using or conf.DATABASE
     if api is None or alias in _state.observed:

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from django.core.exceptions import ImproperlyConfigured
@@ -466,6 +466,7 @@ class CeleryTransport:
         for index in indexes:
             if call.held_back(index):
                 continue
+            before = confirms.last_tag if confirms is not None else 0
             try:
                 message = call.messages[index]
                 with telemetry.sending(message.headers, {"messaging.system": "celery"}):
@@ -481,11 +482,18 @@ class CeleryTransport:
                 if self._is_connection_error(exc):
                     raise
                 call.fail(index, exc)
+                if confirms is not None:
+                    confirms.ignore(confirms.published_since(before))
                 continue
             if queue_name is not None:
                 declared.add(queue_name)
             if confirms is not None:
-                tags[confirms.published()] = index
+                # The task message is the first publish; any later one (the task-sent event
+                # of task_send_sent_event) took a tag of its own, whose answer is not ours.
+                published = confirms.published_since(before)
+                if published:
+                    tags[published[0]] = index
+                    confirms.ignore(published[1:])
         return tags
 
     def _task_message(
@@ -520,11 +528,14 @@ class CeleryTransport:
         task_type: Any = task  # send_task passes the registered task instance too
         options = app.amqp.router.route(options, name, tuple(args), kwargs, task_type)
         if expires is not None:
-            seconds = (
-                (expires - app.now()).total_seconds()
-                if isinstance(expires, datetime)
-                else float(expires)
-            )
+            # As send_task: a moment (an ISO 8601 string is the one JSON can store) or seconds.
+            if isinstance(expires, (datetime, str)):
+                moment = datetime.fromisoformat(expires) if isinstance(expires, str) else expires
+                if moment.tzinfo is None:  # send_task takes a naive moment for UTC
+                    moment = moment.replace(tzinfo=UTC)
+                seconds = (moment - app.now()).total_seconds()
+            else:
+                seconds = float(expires)
             options["expiration"] = max(0.0, seconds)
         task_message = app.amqp.create_task_message(
             message.event_id,
@@ -675,15 +686,30 @@ class _Confirms:
         channel.confirm_select()
         self.last_tag = 0
         self.pending: set[int] = set()
+        self.ignored: set[int] = set()
         self.answers: dict[int, BaseException | None] = {}
         channel.events["basic_ack"].add(self._ack)
         channel.events["basic_nack"].add(self._nack)
+        # The broker numbers every publish on the channel, not only the outbox's task messages
+        # (send_task_message also publishes the task-sent event): count them all.
+        publish = channel.basic_publish
 
-    def published(self) -> int:
-        """The delivery tag of the message just published."""
-        self.last_tag += 1
-        self.pending.add(self.last_tag)
-        return self.last_tag
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.last_tag += 1
+            self.pending.add(self.last_tag)
+            return publish(*args, **kwargs)
+
+        channel.basic_publish = counted
+
+    def published_since(self, before: int) -> list[int]:
+        """The delivery tags of the publishes after tag ``before``."""
+        return list(range(before + 1, self.last_tag + 1))
+
+    def ignore(self, tags: Iterable[int]) -> None:
+        """Tags whose answers nobody waits for (dropped when they come)."""
+        for tag in tags:
+            if tag in self.pending:
+                self.ignored.add(tag)
 
     def _ack(self, tag: int, multiple: bool) -> None:
         self._answer(tag, multiple, None)
@@ -697,7 +723,10 @@ class _Confirms:
         answered = [t for t in self.pending if t <= tag] if multiple else [tag]
         for t in answered:
             self.pending.discard(t)
-            self.answers[t] = error
+            if t in self.ignored:
+                self.ignored.discard(t)
+            else:
+                self.answers[t] = error
 
     def wait(
         self, tags: Mapping[int, int], connection: Any, deadline: float
