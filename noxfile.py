@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from configparser import ConfigParser
 from pathlib import Path
 
@@ -269,8 +270,13 @@ def tests(session: nox.Session, django: str) -> None:
             backend for backend in up if not _pytest(session, combination, backend, _marks(slow))
         ]
     if main:
+        # The Tansu pass (a broker of its own, mostly waiting on consumer processes) runs beside
+        # the PgBouncer pass.
+        second_broker = _second_broker_pass(session, combination)
         if not _pgbouncer_pass(session, combination):
             failed.append("pgbouncer")
+        if not second_broker():
+            failed.append("tansu")
         session.run("python", "-m", "coverage", "combine", "--quiet")
         session.run("python", "-m", "coverage", "report", "--skip-covered")
     if failed:
@@ -296,6 +302,44 @@ def _pgbouncer_pass(session: nox.Session, combination: str) -> bool:
         label="pgbouncer",
         env={"DATABASE_URL": PGBOUNCER_URL, "PGBOUNCER": "1"},
     )
+
+
+def _second_broker_pass(session: nox.Session, combination: str) -> Callable[[], bool]:
+    """Start ``pytest -m second_broker`` against Tansu (scripts/tansu.sh), a Kafka-compatible
+    broker written independently of librdkafka, whose mock cluster the other passes use; returns
+    a function that waits for the pass, stops the broker if this started it, and says if it
+    passed."""
+    script = ROOT / "scripts" / "tansu.sh"
+    was_up = subprocess.run([str(script), "status"], cwd=ROOT, capture_output=True).returncode == 0
+    if subprocess.run([str(script), "start"], cwd=ROOT, check=False).returncode != 0:
+        session.warn("!!! Tansu did not start: the second broker pass FAILS !!!")
+        _record(combination=combination, backend="tansu", exit=None, ok=False)
+        return lambda: False
+    port = os.environ.get("TANSU_PORT", "19092")
+    suffix = os.environ.get("TEST_DB_SUFFIX", "") + "_tansu"
+    env = {"KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}", "TEST_DB_SUFFIX": suffix}
+    command, run_env, junit = _pass_command(
+        session, combination, "postgres", ["-m", "second_broker"], label="tansu", env=env
+    )
+    log = REPORTS / f"{combination}-tansu.log"
+    session.log(f"pytest on tansu (log: {log.relative_to(ROOT)}): {' '.join(command[3:])}")
+    output = log.open("w")
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, env=run_env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
+    )
+
+    def finish() -> bool:
+        code = process.wait()
+        seconds = time.monotonic() - started
+        output.close()
+        if not was_up:
+            subprocess.run([str(script), "stop"], cwd=ROOT, check=False)
+        print(f"\n----- pytest on tansu ({seconds:.0f}s, exit {code}) -----", flush=True)
+        print(log.read_text(), flush=True)
+        return _finish_pass(session, combination, "tansu", code, seconds, junit)
+
+    return finish
 
 
 SHOW_VERSIONS = """

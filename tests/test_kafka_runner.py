@@ -83,6 +83,7 @@ def effects() -> Counter[str]:
     return Counter(Effect.objects.filter(name="kafka").values_list("payload", flat=True))
 
 
+@pytest.mark.second_broker
 def test_each_event_delivered_twice_has_one_effect(kafka_cluster: Cluster, consumers: Any) -> None:
     batch = events(40)
     kafka_cluster.produce(consumers.topic, batch + batch, key=lambda e: e["event_id"])
@@ -96,6 +97,7 @@ def test_each_event_delivered_twice_has_one_effect(kafka_cluster: Cluster, consu
     assert "stopped: 40 applied, 40 duplicate" in consumer.output()
 
 
+@pytest.mark.second_broker
 def test_killed_after_the_database_commit_before_the_offset_commit(
     kafka_cluster: Cluster, consumers: Any, tmp_path: Path
 ) -> None:
@@ -143,6 +145,7 @@ def wait_for_file(path: Path, consumer: ConsumerProcess, timeout: float = 60.0) 
     raise AssertionError(f"{path.name} never appeared:\n{consumer.output()}")
 
 
+@pytest.mark.second_broker
 def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
     kafka_cluster: Cluster, consumers: Any
 ) -> None:
@@ -223,6 +226,7 @@ def test_a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
     assert consumer.terminate() == 0
 
 
+@pytest.mark.second_broker
 def test_two_consumers_through_rebalances_apply_each_event_once(
     kafka_cluster: Cluster, consumers: Any
 ) -> None:
