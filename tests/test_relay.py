@@ -787,6 +787,25 @@ def listener_pids() -> list[int]:
 
 
 @pytest.mark.postgres
+def test_under_psycopg2_the_relay_polls_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """psycopg2 has no ``notifies()`` generator: listening there failed on every wait, logged
+    "LISTEN connection lost" and tried again every five seconds for ever. The relay now polls
+    under psycopg2 and says why, once. (The flag is Django's own: which driver it loaded.)"""
+    from django.db.backends.postgresql import psycopg_any
+
+    from django_idempotency.outbox.store import Listener
+
+    monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
+    with caplog.at_level("WARNING", logger="django_idempotency.outbox.relay"):
+        assert Listener.open("default") is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "outbox relay: LISTEN needs psycopg 3; under psycopg2 the relay polls instead"
+    ]
+
+
+@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_a_notification_wakes_an_idle_relay() -> None:
     transport = RecordingTransport()
