@@ -135,6 +135,19 @@ def test_publish_is_one_statement() -> None:
         assert "pg_notify" in statements[0]
 
 
+def nested(levels: int) -> Any:
+    value: Any = 1
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_a_payload_nested_to_the_limit_is_stored() -> None:
+    with transaction.atomic():
+        outbox.send("t", nested(31))  # MariaDB's JSON limit, on every backend
+    assert OutboxEntry.objects.count() == 1
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [
@@ -148,6 +161,8 @@ def test_publish_is_one_statement() -> None:
         (lambda: outbox.send("t", {}, event_id=""), ValueError, "empty"),
         (lambda: outbox.send("t", {}, transport="kafka"), ImproperlyConfigured, "kafka"),
         (lambda: outbox.publish("t", countdown=5), TypeError, "countdown"),
+        (lambda: outbox.send("t", nested(32)), ValueError, "nested 32 levels deep"),
+        (lambda: outbox.publish("t", args=[nested(200_000)]), ValueError, "levels deep"),
     ],
     ids=[
         "empty-destination",
@@ -160,6 +175,8 @@ def test_publish_is_one_statement() -> None:
         "empty-event-id",
         "unknown-transport",
         "unsupported-option",
+        "too-deep",
+        "far-too-deep",  # json.dumps itself would raise RecursionError
     ],
 )
 def test_bad_input_raises_a_clear_error_and_writes_nothing(
@@ -261,7 +278,12 @@ def test_no_notify_for_a_rollback_or_when_turned_off() -> None:
         with pytest.raises(ZeroDivisionError), transaction.atomic():
             outbox.send("orders.confirmed", {})
             1 / 0  # noqa: B018
-        with override_settings(IDEMPOTENCY={"OUTBOX_NOTIFY": False}), transaction.atomic():
+        with (
+            override_settings(
+                IDEMPOTENCY={"OUTBOX_NOTIFY": False, "OUTBOX_TRANSPORTS": NULL_TRANSPORTS}
+            ),
+            transaction.atomic(),
+        ):
             outbox.send("orders.confirmed", {})
         assert notifications(wrapper, 0.5) == 0
         assert OutboxEntry.objects.count() == 1

@@ -792,14 +792,17 @@ def test_under_psycopg2_the_relay_polls_and_says_so_once(
 ) -> None:
     """psycopg2 has no ``notifies()`` generator: listening there failed on every wait, logged
     "LISTEN connection lost" and tried again every five seconds for ever. The relay now polls
-    under psycopg2 and says why, once. (The flag is Django's own: which driver it loaded.)"""
-    from django.db.backends.postgresql import psycopg_any
+    under psycopg2 and says why, once. (Django's backend names the driver module it loaded.)"""
+    import types
 
-    from django_idempotency.outbox.store import Listener
+    from django.db import connections
 
-    monkeypatch.setattr(psycopg_any, "is_psycopg3", False)
+    from django_idempotency.outbox import store
+
+    psycopg2 = types.SimpleNamespace(__name__="psycopg2")
+    monkeypatch.setattr(connections["default"], "Database", psycopg2)
     with caplog.at_level("WARNING", logger="django_idempotency.outbox.relay"):
-        assert Listener.open("default") is None
+        assert store.Listener.open("default") is None
     assert [r.getMessage() for r in caplog.records] == [
         "outbox relay: LISTEN needs psycopg 3; under psycopg2 the relay polls instead"
     ]

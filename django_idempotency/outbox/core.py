@@ -257,6 +257,30 @@ def _transport(name: object) -> str:
     return name
 
 
+#: How deep a payload or its headers may nest lists and dicts: MariaDB's JSON column refuses
+#: deeper values (its ``JSON_VALID`` check refuses 32 levels), and far deeper ones kill consumers
+#: (a Celery prefork worker dies pickling one of about 500 levels for its pool), so every
+#: backend refuses them at the producer.
+MAX_JSON_DEPTH = 31
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests lists, tuples and dicts (0 for a scalar), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_JSON_DEPTH:  # deeper is refused anyway: stop counting there
+            pending.extend((child, level + 1) for child in children)
+    return deepest
+
+
 def _json(what: str, value: Any, vendor: str) -> tuple[Any, int]:
     """``value`` and its size as UTF-8 JSON, once it is JSON that the database stores: strict
     JSON (``json.dumps`` writes NaN and infinity, which no JSON column accepts), and outside
@@ -264,6 +288,12 @@ def _json(what: str, value: Any, vendor: str) -> tuple[Any, int]:
     NUL character (``jsonb`` refuses ``\\u0000``). Left to the INSERT, each of these raised a
     database error instead, which on PostgreSQL aborts the caller's transaction.
     """
+    depth = _depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(
+            f"The {what} is nested {depth} levels deep; the most is {MAX_JSON_DEPTH} (MariaDB's "
+            "JSON limit; far deeper values also kill the consumers that parse or copy them)."
+        )
     try:
         text = json.dumps(value, allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:

@@ -265,9 +265,8 @@ class Listener:
         """A listener, listening if it can; None where there is nothing to listen to."""
         if connections[using].vendor != "postgresql":
             return None
-        from django.db.backends.postgresql import psycopg_any
-
-        if not psycopg_any.is_psycopg3:
+        driver = getattr(getattr(connections[using], "Database", None), "__name__", "")
+        if driver != "psycopg":
             # psycopg2 keeps notifications in a list filled by poll(), not psycopg 3's
             # notifies() generator: the relay polls there (psycopg 3 is the supported driver).
             logger.warning(
