@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from bench.rounds import rotation
+
 CONSUMER = "bench.consumer"
 DECORATED = "bench.decorated-consumer"
 
@@ -177,8 +179,7 @@ def run(events: int, rounds: int) -> dict[str, Any]:
     perf_counter, thread_time = time.perf_counter, time.thread_time
     live = [name for name in names if name not in errors]
     for round_no in range(rounds):
-        shift = round_no % len(live)
-        order = live[shift:] + live[:shift]
+        order = rotation(live, round_no)
         batches: dict[str, list[str]] = {}
         for name in order:
             handle, kind = rows[name]

@@ -31,6 +31,7 @@ from datetime import timedelta
 from typing import Any
 
 from bench.micro import _setup
+from bench.rounds import rotation
 
 CONSUMER = "bench.eventcost"
 DAY = timedelta(days=1)
@@ -118,8 +119,7 @@ def time_rows(
     names = list(rows)
     per_round: dict[str, list[float]] = {name: [] for name in names}
     for round_no in range(rounds):
-        shift = round_no % len(names)
-        order = names[shift:] + names[:shift]
+        order = rotation(names, round_no)
         latencies: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(calls):
             for name in order:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.loadgen import LoadResult, Mode, Response, Target, race, run_load, send
+from bench.rounds import rotation
 from bench.servers import Server, database_url
 
 
@@ -171,8 +172,7 @@ def run_http(
         for row in usable:  # warm every worker (imports, connections, the user)
             run_load(_target(servers, row), clients=n_clients, seconds=warmup, mode=row.mode)
         for round_no in range(rounds):
-            shift = round_no % len(usable)
-            for row in usable[shift:] + usable[:shift]:
+            for row in rotation(usable, round_no):
                 server = servers[row.server]
                 before = count_effects(server.database, row.effect)
                 result = run_load(

@@ -37,6 +37,8 @@ import time
 import uuid
 from typing import Any
 
+from bench.rounds import median_ratio, rotation
+
 BATCH = "with the reservation, in batches of 100 (BATCH_SIZE=100)"
 ROWS = (
     "handler alone",
@@ -134,13 +136,11 @@ def run(messages: int, rounds: int) -> dict[str, Any]:
     one_round("with the reservation")  # warm-up: connections, imports, plan caches
     per_round: dict[str, list[float]] = {row: [] for row in ROWS}
     for round_no in range(rounds):
-        order = ROWS if round_no % 2 == 0 else ROWS[::-1]
-        for row in order:
+        for row in rotation(ROWS, round_no):
             per_round[row].append(one_round(row))
 
     def ratio(row: str) -> float:
-        pairs = zip(per_round[row], per_round["handler alone"], strict=True)
-        return round(statistics.median(mine / alone for mine, alone in pairs), 3)
+        return median_ratio(per_round[row], per_round["handler alone"])
 
     return {
         "messages_per_round": messages,

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from importlib.util import find_spec
 from typing import Any
 
+from bench.rounds import rotation
+
 OTEL_ROWS = ("otel-noop-first", "otel-sdk-first") if find_spec("opentelemetry.sdk") else ()
 ROWS = (
     "bare",
@@ -345,8 +347,7 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
     client_rounds: dict[str, list[float]] = {name: [] for name in names}
     server_rounds: dict[str, list[float]] = {name: [] for name in names}
     for round_no in range(rounds):
-        shift = round_no % len(names)
-        order = names[shift:] + names[:shift]
+        order = rotation(names, round_no)
         batches = {}
         for name in order:
             call, kind = rows[name]
