@@ -45,6 +45,7 @@ from django_idempotency.events.core import (
     new_event_id,
     normalize_event_id,
 )
+from django_idempotency.exceptions import log_text
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox.store import NOTIFY_CHANNEL
 from django_idempotency.outbox.transports import celery_envelope, get_transport
@@ -244,7 +245,22 @@ def _name(what: str, value: object) -> str:
         raise ValueError(f"The {what} must be a non-empty string, not {value!r}.")
     if len(value) > MAX_NAME_LENGTH:
         raise ValueError(f"The {what} is {len(value)} characters long; the most is 255.")
+    # What no text column stores: a NUL (PostgreSQL) and a lone surrogate (no UTF-8 for it).
+    # Left to the INSERT, each failed it and, on PostgreSQL, the caller's transaction.
+    if "\x00" in value or (not value.isascii() and _has_surrogate(value)):
+        raise ValueError(
+            f"The {what} holds a NUL or a lone surrogate, which no database stores: "
+            f"{log_text(value, 80)}."
+        )
     return value
+
+
+def _has_surrogate(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _transport(name: object) -> str:
