@@ -47,6 +47,9 @@ from tests.workers import (
 
 pytestmark = [
     pytest.mark.slow,
+    # Real workers on a real broker: the core they run parks the same way on every backend
+    # (the per-backend SQL of counting and parking is proven in tests/test_delivery_count.py).
+    pytest.mark.postgres,
     pytest.mark.timeout(300),
     pytest.mark.django_db(transaction=True),
 ]

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -33,6 +33,14 @@ from testproject.shop.models import Effect
 from tests.kafka_cluster import Cluster
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.django_db(transaction=True)]
+#: The quick suite keeps one test per guarantee (offset after the commit, dead letter before the
+#: offset, seek-back, commit on revoke); the regressions below each take a group join of several
+#: seconds, so they run with the slow tests, on PostgreSQL and MariaDB.
+T = TypeVar("T")
+
+
+def REGRESSION(test: T) -> T:
+    return pytest.mark.slow(pytest.mark.postgres(pytest.mark.mysql(test)))
 
 
 @pytest.fixture
@@ -161,6 +169,7 @@ def test_a_failure_seeks_back_and_the_partition_keeps_its_order(
     assert sum(committed(kafka_cluster, settings).values()) == 2
 
 
+@REGRESSION
 def test_a_failed_dead_letter_produce_does_not_move_the_offset(
     kafka_cluster: Cluster, topic: str
 ) -> None:
@@ -201,6 +210,7 @@ class SilentProducer:
         return self.produced
 
 
+@REGRESSION
 def test_an_unacknowledged_dead_letter_produce_does_not_move_the_offset(
     kafka_cluster: Cluster, topic: str
 ) -> None:
@@ -310,6 +320,7 @@ def wait_until(condition: Callable[[], bool], timeout: float = 60.0) -> None:
 # --- Poison ids and values: dead-lettered, and the loop goes on ------------------------------
 
 
+@REGRESSION
 @pytest.mark.parametrize(
     "poison",
     [
@@ -351,6 +362,7 @@ def test_a_consumer_killed_by_a_message_says_so_in_dlq_error() -> None:
     )
 
 
+@REGRESSION
 def test_a_refused_offset_commit_is_retried_and_logged_once(
     kafka_cluster: Cluster, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -381,6 +393,7 @@ def test_a_refused_offset_commit_is_retried_and_logged_once(
     assert "retried with the next commit" in refusals[0].getMessage()
 
 
+@REGRESSION
 def test_a_retry_pauses_its_partition_and_the_others_go_on(
     kafka_cluster: Cluster, topic: str
 ) -> None:
@@ -411,6 +424,7 @@ def test_a_retry_pauses_its_partition_and_the_others_go_on(
     assert runner.counts == {Outcome.RETRY: 1, Outcome.APPLIED: len(healthy)}
 
 
+@REGRESSION
 def test_replay_idles_from_the_assignment_and_keeps_the_key_partition(
     kafka_cluster: Cluster, topic: str
 ) -> None:

@@ -24,6 +24,10 @@ from tests.workers import database_url
 
 pytestmark = [
     pytest.mark.slow,
+    # The relay processes and their claims on the two servers; SQLite's single writer adds
+    # nothing here that tests/test_relay.py does not show.
+    pytest.mark.postgres,
+    pytest.mark.mysql,
     pytest.mark.timeout(600),
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("null_default_transport"),  # the relays below use FileTransport

@@ -28,7 +28,10 @@ from django_idempotency.outbox.relay import Relay
 from tests.probes import post
 from tests.test_telemetry import Answering
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("null_default_transport"),  # topic messages, no Celery task call
+]
 
 
 class Broken(RuntimeError):

@@ -23,7 +23,10 @@ from django_idempotency.outbox import core as outbox
 from django_idempotency.status import collect
 from tests.workers import REPO, database_url
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("null_default_transport"),  # topic messages, no Celery task call
+]
 
 
 def status(*args: str) -> tuple[int, str]:

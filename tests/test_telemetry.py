@@ -31,10 +31,14 @@ from django_idempotency.outbox import core as outbox
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.outbox.transports import OutboxMessage
 from tests.otel_helpers import Sdk, delta, sdk
+from tests.outbox_helpers import NULL_TRANSPORTS
 from tests.probes import post
 from tests.workers import REPO
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("null_default_transport"),  # topic messages, no Celery task call
+]
 
 URL = "/probe/effect/"
 Key = tuple[str, frozenset[tuple[str, Any]]]
@@ -322,7 +326,7 @@ def test_no_metric_attribute_carries_a_key_an_event_id_or_an_owner(
 # --- Off, and absent ----------------------------------------------------------------------------
 
 
-@override_settings(IDEMPOTENCY={"TELEMETRY": False})
+@override_settings(IDEMPOTENCY={"TELEMETRY": False, "OUTBOX_TRANSPORTS": NULL_TRANSPORTS})
 def test_the_setting_turns_everything_off(client: Client, otel: Sdk) -> None:
     telemetry.reset()
     assert counted(otel, lambda: post(client, URL, "off"), histograms=True) == {}
@@ -400,6 +404,7 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path:
         "PATH": "/usr/bin:/bin",
         "PYTHONPATH": str(REPO),
         "DATABASE_URL": f"sqlite:///{tmp_path / 'hidden.sqlite3'}",
+        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(NULL_TRANSPORTS),
     }
     done = subprocess.run(
         [sys.executable, "-c", BLOCKED],
