@@ -61,7 +61,10 @@ BASE = ConsumerSettings(
 def message(
     value: bytes | None, headers: list[tuple[str, bytes | None]], key: bytes | None
 ) -> Any:
-    return Message(topic="t", partition=0, offset=7, key=key, value=value, headers=headers)
+    try:
+        return Message(topic="t", partition=0, offset=7, key=key, value=value, headers=headers)
+    except TypeError:  # confluent-kafka before 2.4 ("cannot create 'cimpl.Message' instances")
+        pytest.skip("this confluent-kafka release cannot build a Message in Python")
 
 
 def check(msg: Message, consumer_settings: ConsumerSettings) -> None:
