@@ -19,8 +19,9 @@ django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines pro
 django_idempotency.E030 An ``OUTBOX_TRANSPORTS`` backend cannot be imported.
 django_idempotency.E031 An ``OUTBOX_TRANSPORTS`` backend has no ``send`` and ``close`` methods.
 django_idempotency.E032 An ``OUTBOX_TRANSPORTS`` backend does not take its ``OPTIONS``.
-django_idempotency.E033 An ``OUTBOX_TRANSPORTS`` backend needs a library that is not installed
-                        (Celery, confluent-kafka): the check names the extra to install.
+django_idempotency.E033 An ``OUTBOX_TRANSPORTS`` backend the project configures needs a library
+                        that is not installed (Celery, confluent-kafka): the check names the
+                        extra to install.
 django_idempotency.E040 ``KAFKA_CONSUMERS`` is set but confluent-kafka is not installed.
 django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is not callable.
 ======================  =====================================================================
@@ -202,6 +203,8 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
     except ImproperlyConfigured:
         return []  # E002 already says what is wrong with the setting
     messages: list[CheckMessage] = []
+    user_settings = getattr(settings, SETTING_NAME, None)
+    configured = isinstance(user_settings, dict) and "OUTBOX_TRANSPORTS" in user_settings
     for name, entry in transports.items():
         backend = entry["BACKEND"]
         try:
@@ -229,7 +232,9 @@ def check_outbox_transports(app_configs: Any = None, **kwargs: Any) -> list[Chec
             )
             continue
         missing = _missing_library(cls)
-        if missing is not None:
+        # Only for transports the project names: a bare install that never writes to the outbox
+        # keeps the default (Celery) transport without Celery, and must pass its checks.
+        if missing is not None and configured:
             module, extra = missing
             messages.append(
                 Error(
