@@ -46,6 +46,9 @@ Key = tuple[str, frozenset[tuple[str, Any]]]
 
 @pytest.fixture
 def otel() -> Iterator[Sdk]:
+    # Forget what earlier tests of the process registered (a relay's serve() observes its
+    # database's gauges once per process), then again afterwards.
+    telemetry.reset()
     yield sdk()
     telemetry.reset()
 
