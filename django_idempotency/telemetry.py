@@ -131,7 +131,9 @@ class _State:
         self.loaded = False
         self.api: Any = None  # a namespace of the opentelemetry modules, or None
         self.instruments: dict[str, Any] = {}
-        self.observed: set[str] = set()
+        self.observed: set[str] = set()  # the databases whose gauges are reported
+        self.figures: dict[str, tuple[float, Any]] = {}  # their latest status, and when
+        self.gauge_meter: Any = None  # the meter the gauges are registered with
 
 
 _state = _State()
@@ -315,6 +317,7 @@ def configure(tracer_provider: Any = None, meter_provider: Any = None) -> None:
         _state.loaded = True
         _state.instruments.clear()
         _state.observed.clear()
+        _state.figures.clear()
 
 
 def reset() -> None:
@@ -324,6 +327,7 @@ def reset() -> None:
         _state.api = None
         _state.instruments.clear()
         _state.observed.clear()
+        _state.figures.clear()
 
 
 def _instrument(api: _Api, name: str) -> Any:
@@ -685,59 +689,80 @@ def _observe(using: str | None) -> bool:
     alias = using or conf.DATABASE
     if api is None or alias in _state.observed:
         return False
-    _state.observed.add(alias)
-    from django_idempotency import status
+    with _state.lock:
+        _state.observed.add(alias)
+        if _state.gauge_meter is not api.meter:
+            # Once per meter, for every database: a meter keeps the callbacks of the first
+            # gauge of a name and ignores a second registration's (OpenTelemetry's SDK warns
+            # and returns the first instrument), so a callback per database would leave every
+            # database but the first unreported. The callbacks read _state.observed instead.
+            _state.gauge_meter = api.meter
+            _register_gauges(api.meter)
+    return True
 
-    latest: list[tuple[float, Any]] = []
 
-    def figures() -> Any:
-        # One collection reads every gauge: the figures are read once, not once per gauge.
-        if latest and time.monotonic() - latest[0][0] < 1.0:
-            return latest[0][1]
-        from django.db import connections
-
-        try:
-            read = status.collect(alias)
-        finally:
-            # A periodic reader collects on its own thread, whose connection nobody else
-            # closes: it is closed after each collection (one a minute by default).
-            if threading.current_thread() is not threading.main_thread():
-                connections[alias].close()
-        latest[:] = [(time.monotonic(), read)]
-        return read
-
-    def callback(field: str) -> Callable[[Any], list[Any]]:
-        def observe_field(options: Any) -> list[Any]:
-            value = getattr(figures(), field)
-            if value is None:
-                value = 0
-            return [api.metrics.Observation(value, {"idempotency.database": alias})]
-
-        return observe_field
-
-    meter = api.meter
-    meter.create_observable_gauge(
-        OUTBOX_PENDING, [callback("outbox_pending")], "{message}", "Outbox messages not sent yet."
-    )
-    meter.create_observable_gauge(
+# The gauges: (name, field of status.Figures, unit, description).
+GAUGES = (
+    (OUTBOX_PENDING, "outbox_pending", "{message}", "Outbox messages not sent yet."),
+    (
         OUTBOX_LAG,
-        [callback("outbox_oldest_pending_seconds")],
+        "outbox_oldest_pending_seconds",
         "s",
         "Age of the oldest pending outbox message: how far the relay is behind.",
-    )
-    meter.create_observable_gauge(
-        OUTBOX_PARKED, [callback("outbox_parked")], "{message}", "Parked outbox messages."
-    )
-    meter.create_observable_gauge(
+    ),
+    (OUTBOX_PARKED, "outbox_parked", "{message}", "Parked outbox messages."),
+    (
         DELIVERIES_PARKED,
-        [callback("deliveries_parked")],
+        "deliveries_parked",
         "{event}",
         "Events a consumer parked after too many failed deliveries.",
-    )
-    meter.create_observable_gauge(
+    ),
+    (
         FLOW_ABANDONED,
-        [callback("flows_abandoned")],
+        "flows_abandoned",
         "{run}",
         "Phased flow runs whose lease ran out before they finished: the completer's backlog.",
-    )
-    return True
+    ),
+)
+
+
+def _register_gauges(meter: Any) -> None:
+    for name, field, unit, description in GAUGES:
+        meter.create_observable_gauge(name, [_gauge_callback(field)], unit, description)
+
+
+def _gauge_callback(field: str) -> Callable[[Any], list[Any]]:
+    def observe_field(options: Any) -> list[Any]:
+        api = _state.api
+        if not api:
+            return []
+        observations = []
+        for alias in sorted(_state.observed):
+            value = getattr(_figures(alias), field)
+            observations.append(
+                api.metrics.Observation(value or 0, {"idempotency.database": alias})
+            )
+        return observations
+
+    return observe_field
+
+
+def _figures(alias: str) -> Any:
+    """The status figures of ``alias``: one collection serves every gauge (read once, not once
+    per gauge), for a second."""
+    latest = _state.figures.get(alias)
+    if latest is not None and time.monotonic() - latest[0] < 1.0:
+        return latest[1]
+    from django.db import connections
+
+    from django_idempotency import status
+
+    try:
+        read = status.collect(alias)
+    finally:
+        # A periodic reader collects on its own thread, whose connection nobody else closes:
+        # it is closed after each collection (one a minute by default).
+        if threading.current_thread() is not threading.main_thread():
+            connections[alias].close()
+    _state.figures[alias] = (time.monotonic(), read)
+    return read

@@ -415,7 +415,9 @@ def test_a_retry_pauses_its_partition_and_the_others_go_on(
     thread = threading.Thread(target=runner.run)
     thread.start()
     try:
-        wait_until(lambda: len(effect_ids()) == len(healthy), timeout=30)
+        # The poison's partition may be fetched last (CI saw the healthy ones applied first):
+        # wait for both, or the check below is of a message never delivered.
+        wait_until(lambda: len(effect_ids()) == len(healthy) and poison_id in seen, timeout=60)
     finally:
         runner.stop()
         thread.join(30)

@@ -451,3 +451,37 @@ def test_a_message_without_an_event_id_is_counted_as_parked(otel: Sdk) -> None:
 
     changes = counted(otel, lambda: park_message("c.noid", "task-1", "no event id"))
     assert one(changes) == deliveries("c.noid", "parked")
+
+
+def test_after_a_reset_the_gauges_read_the_tables_again(otel: Sdk) -> None:
+    """Regression: a meter keeps the callbacks of the first gauge of a name and ignores a
+    second registration's, so after ``telemetry.reset()`` the gauges still answered from the
+    first registration's figures, read less than a second before: CI saw the pending gauge
+    read 4 for 2, after an earlier test had observed the database."""
+    alias = connection.alias
+    assert telemetry.observe(alias)
+    with transaction.atomic():
+        for n in range(4):
+            outbox.send("gauge.topic", {"n": n})
+    assert [v for name, _, v in otel.points() if name == telemetry.OUTBOX_PENDING] == [4]
+    OutboxEntry.objects.filter(pk__in=OutboxEntry.objects.order_by("id")[:2]).delete()
+    telemetry.reset()
+    assert telemetry.observe(alias)
+    pending = [value for name, _, value in otel.points() if name == telemetry.OUTBOX_PENDING]
+    assert pending == [2]
+
+
+@pytest.mark.django_db(databases=["default", "other"])
+def test_the_gauges_report_every_database_a_process_observes(otel: Sdk) -> None:
+    """Regression: each observe() registered its own gauges, and a meter keeps the first
+    gauge of a name, so a process relaying two databases reported the first one only."""
+    assert telemetry.observe("default")
+    assert telemetry.observe("other")
+    with transaction.atomic(using="other"):
+        outbox.send("gauge.topic", {"n": 1}, using="other")
+    pending = {
+        attributes["idempotency.database"]: value
+        for name, attributes, value in otel.points()
+        if name == telemetry.OUTBOX_PENDING
+    }
+    assert pending == {"default": 0, "other": 1}

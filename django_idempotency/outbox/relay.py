@@ -410,6 +410,15 @@ class Relay:
         self.listener = listener
         try:
             while not self._stopping.is_set():
+                if listener is not None:
+                    # Before every batch, not only when idle: unread, the notifications of a
+                    # backlog's producer commits fill the socket, the listening backend stops
+                    # reading PostgreSQL's notification queue, and once that queue is full
+                    # every COMMIT that writes to the outbox fails. Before the claim, never
+                    # after it: what this reads, the claim below sees; a notification read
+                    # after the claim would be a commit it missed, and the wait below would
+                    # sleep through it.
+                    listener.drain()
                 try:
                     result = self.run_once()
                 except DatabaseError:
@@ -418,12 +427,6 @@ class Relay:
                     self._wait(None, poll_interval)
                     continue
                 total.add(result)
-                if listener is not None:
-                    # After every batch, not only when idle: unread, the notifications of a
-                    # backlog's producer commits fill the socket, the listening backend stops
-                    # reading PostgreSQL's notification queue, and once that queue is full
-                    # every COMMIT that writes to the outbox fails.
-                    listener.drain()
                 if on_batch is not None and result.claimed:
                     on_batch(result)
                 if self._more_due(result):
