@@ -45,6 +45,9 @@ def require_service(name: str) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "sqlite: runs only in the SQLite pass")
+    from tests import fast_flush
+
+    fast_flush.install()
 
 
 def close_pooled_server_connections() -> None:

@@ -257,7 +257,9 @@ def test_an_interrupt_cancels_the_statement_and_the_block_rolls_back_on_the_conn
     ):
         travel(SLEEP, SLEEP_PARAMS)
 
-    assert backend(other, pid) == ("idle", "ClientRead")
+    # pg_stat_activity says "idle" a moment before the backend waits on its client (CI saw
+    # ("idle", "") once): wait for the wait event rather than sample it once.
+    wait_until(lambda: backend(other, pid) == ("idle", "ClientRead"), "the session idle")
     assert connection.connection is not None
     assert connection.connection.info.backend_pid == pid
     idle = psycopg.pq.TransactionStatus.IDLE
@@ -389,7 +391,9 @@ def test_a_statement_timeout_mid_exchange_raises_and_the_block_rolls_back(
         idle = psycopg.pq.TransactionStatus.IDLE
         assert connection.connection.pgconn.transaction_status == idle
     assert connection.connection.info.backend_pid == pid
-    assert backend(other, pid) == ("idle", "ClientRead")
+    # pg_stat_activity says "idle" a moment before the backend waits on its client (CI saw
+    # ("idle", "") once): wait for the wait event rather than sample it once.
+    wait_until(lambda: backend(other, pid) == ("idle", "ClientRead"), "the session idle")
     with transaction.atomic():
         assert travels_first("SELECT %s::int + 1", [41]) == [(42,)]
 

@@ -464,7 +464,8 @@ def test_after_a_reset_the_gauges_read_the_tables_again(otel: Sdk) -> None:
         for n in range(4):
             outbox.send("gauge.topic", {"n": n})
     assert [v for name, _, v in otel.points() if name == telemetry.OUTBOX_PENDING] == [4]
-    OutboxEntry.objects.filter(pk__in=OutboxEntry.objects.order_by("id")[:2]).delete()
+    first_two = list(OutboxEntry.objects.order_by("id").values_list("pk", flat=True)[:2])
+    OutboxEntry.objects.filter(pk__in=first_two).delete()
     telemetry.reset()
     assert telemetry.observe(alias)
     pending = [value for name, _, value in otel.points() if name == telemetry.OUTBOX_PENDING]
