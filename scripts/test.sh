@@ -6,10 +6,10 @@
 # The matrix (nox sessions, noxfile.py): the full suite (slow tests included) on SQLite,
 # PostgreSQL and MariaDB side by side for the main combination, Django 6.1 on Python 3.13, then
 # a pytest -m pooler pass through PgBouncer and a pytest -m second_broker pass against Tansu; the
-# quick suite on PostgreSQL for Django 6.0/3.12, and on SQLite and PostgreSQL for 5.2/3.11, the
-# oldest (every Django and every Python at least once); the quick suite with every runtime
-# dependency at its declared minimum ("lowest"); the built wheel installed bare and with each
-# extra in fresh venvs ("install").
+# quick suite on PostgreSQL for Django 6.0/3.12 and for 5.2/3.11, the oldest (every Django and
+# every Python at least once); the quick suite on SQLite and PostgreSQL with every runtime
+# dependency at its declared minimum ("lowest", 5.2/3.11); the built wheel installed bare and
+# with each extra in fresh venvs ("install").
 #
 # Environment:
 #   REQUIRE_SERVICES=1  an unreachable PostgreSQL, MariaDB, Redis or RabbitMQ fails the run
