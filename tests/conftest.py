@@ -90,6 +90,19 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         close_pooled_server_connections()  # a leftover test database from an earlier run
 
 
+def _printable(text: str) -> str:
+    """``text`` with its lone surrogates escaped (``\\udce9``): pytest-xdist's workers send
+    their reports as UTF-8, and a test of bad input may log a lone surrogate."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    report.sections = [(title, _printable(text)) for title, text in report.sections]
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     wanted = [VENDOR_MARKS[m.name] for m in item.iter_markers() if m.name in VENDOR_MARKS]
     if wanted and connection.vendor not in wanted:
