@@ -191,7 +191,8 @@ def test_a_handler_that_hangs_ends_its_process_after_its_delivery_is_counted(
         db_url=database_url(connection.settings_dict),
         log_dir=tmp_path,
         name="hung",
-        extra_env={"SHOP_KAFKA_HANDLER_TIMEOUT": "0.5"},
+        # Short, and ample for the count and the reservation (the process's first queries).
+        extra_env={"SHOP_KAFKA_HANDLER_TIMEOUT": "2"},
     )
     try:
         status = consumer.process.wait(90)
@@ -203,7 +204,7 @@ def test_a_handler_that_hangs_ends_its_process_after_its_delivery_is_counted(
     assert status == HANG_EXIT_STATUS, output[-3000:]
     [line] = [line for line in output.splitlines() if "HANDLER HUNG" in line]
     assert f"consumer shop.kafka, event {hung['event_id']}, {topic}[" in line
-    assert "past HANDLER_TIMEOUT (0.5s)" in line
+    assert "past HANDLER_TIMEOUT (2s)" in line
     counter = EventDelivery.objects.get(consumer="shop.kafka", event_id=hung["event_id"])
     assert (counter.deliveries, counter.parked_at) == (1, None)
     assert not Effect.objects.filter(name="kafka").exists()  # rolled back with its process

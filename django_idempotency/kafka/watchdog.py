@@ -105,7 +105,7 @@ class Watchdog:
         self._armed = None
 
     def _watch(self) -> None:
-        interval = min(0.5, self.timeout / 4)
+        interval = max(0.01, min(0.5, self.timeout / 4))
         while not self._stopped.wait(interval):
             armed = self._armed
             if armed is not None and time.monotonic() > armed[1] and self._armed is armed:
