@@ -151,24 +151,25 @@ if env("IDEMPOTENCY_SPANS_FILE", default=""):
 
 # The Kafka consumer of the Kafka tests (tests/test_kafka_runner.py), which set these variables.
 if env("SHOP_KAFKA_BOOTSTRAP", default=""):
-    IDEMPOTENCY["KAFKA_CONSUMERS"] = {
-        "shop.kafka": {
-            "HANDLER": "testproject.shop.kafka_handlers.apply",
-            "TOPICS": env.list("SHOP_KAFKA_TOPICS"),
-            "GROUP": env("SHOP_KAFKA_GROUP"),
-            "CONFIG": {
-                "bootstrap.servers": env("SHOP_KAFKA_BOOTSTRAP"),
-                "session.timeout.ms": 6000,
-                "heartbeat.interval.ms": 500,
-            },
-            "EVENT_ID": env("SHOP_KAFKA_EVENT_ID", default="header:event_id"),
-            "MAX_DELIVERIES": 3,
-            "RETRY_DELAY": 0.2,
-            "POLL_TIMEOUT": 0.2,
-            "COMMIT_INTERVAL": env.float("SHOP_KAFKA_COMMIT_INTERVAL", default=0.0),
-            "BATCH_SIZE": env.int("SHOP_KAFKA_BATCH_SIZE", default=1),
-        }
+    shop_kafka: dict[str, object] = {
+        "HANDLER": "testproject.shop.kafka_handlers.apply",
+        "TOPICS": env.list("SHOP_KAFKA_TOPICS"),
+        "GROUP": env("SHOP_KAFKA_GROUP"),
+        "CONFIG": {
+            "bootstrap.servers": env("SHOP_KAFKA_BOOTSTRAP"),
+            "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 500,
+        },
+        "EVENT_ID": env("SHOP_KAFKA_EVENT_ID", default="header:event_id"),
+        "MAX_DELIVERIES": 3,
+        "RETRY_DELAY": 0.2,
+        "POLL_TIMEOUT": 0.2,
+        "COMMIT_INTERVAL": env.float("SHOP_KAFKA_COMMIT_INTERVAL", default=0.0),
+        "BATCH_SIZE": env.int("SHOP_KAFKA_BATCH_SIZE", default=1),
     }
+    if env("SHOP_KAFKA_HANDLER_TIMEOUT", default=""):  # the hang tests: a short one
+        shop_kafka["HANDLER_TIMEOUT"] = env.float("SHOP_KAFKA_HANDLER_TIMEOUT")
+    IDEMPOTENCY["KAFKA_CONSUMERS"] = {"shop.kafka": shop_kafka}
 
 CELERY_BROKER_URL = env("CELERY_BROKER_URL", default="")
 CELERY_TASK_ALWAYS_EAGER = env.bool("CELERY_TASK_ALWAYS_EAGER", default=not CELERY_BROKER_URL)

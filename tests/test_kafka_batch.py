@@ -21,6 +21,7 @@ from django.db import transaction
 
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome
 from django_idempotency.kafka.settings import parse_consumers
+from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
 from testproject.shop.models import Effect
 from tests import test_kafka_runner as one_at_a_time
 from tests.kafka_cluster import Cluster
@@ -191,6 +192,40 @@ def test_batch_message_that_kills_its_consumer_is_dead_lettered(
 
     assert one_at_a_time.effects() == Counter(e["event_id"] for e in [*before, *after])
     [dead] = kafka_cluster.read(f"{batched.topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    assert consumer.terminate() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+def test_batch_that_hangs_ends_its_consumer_and_the_message_is_dead_lettered(
+    kafka_cluster: Cluster,
+    consumers: Any,  # noqa: F811 - the imported fixture
+    tmp_path: Path,
+) -> None:
+    """A handler that hangs inside a batch (BATCH_SIZE=2, behind the messages a new owner takes
+    one at a time): the watchdog ends the consumer once the batch runs past HANDLER_TIMEOUT,
+    and the batch rolls back with it, uncounted. Each next owner then meets the message one at
+    a time and counted, so it hangs MAX_DELIVERIES (3) times more and the fifth consumer
+    dead-letters it; every other message is applied once."""
+    before, after = one_at_a_time.events(3), one_at_a_time.events(2)
+    [hung] = one_at_a_time.events(1, behaviour="hang")
+    kafka_cluster.produce(consumers.topic, [*before, hung, *after], key=lambda e: "one")
+    deaths, consumer = one_at_a_time.until_one_survives(
+        consumers,
+        applied=5,
+        status=HANG_EXIT_STATUS,
+        SHOP_KAFKA_BATCH_SIZE="2",
+        SHOP_KAFKA_HANDLER_TIMEOUT="2",
+    )
+    assert deaths == 4
+    assert ", a batch of " in (tmp_path / "consumer0.log").read_text()
+    kafka_cluster.wait_caught_up(consumers.topic, consumers.group)
+
+    assert one_at_a_time.effects() == Counter(e["event_id"] for e in [*before, *after])
+    [dead] = kafka_cluster.read(f"{consumers.topic}.dlq", 1)
+    assert json.loads(dead.value() or b"")["event_id"] == hung["event_id"]
     assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
     assert consumer.terminate() == 0
 

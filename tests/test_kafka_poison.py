@@ -4,6 +4,8 @@ One partition holds a poison message followed by healthy ones. Consumers
 (``manage.py idempotency_consume shop.kafka`` subprocesses, ``EVENT_ID="json:event_id"``,
 ``MAX_DELIVERIES=3``) are started one after another until one survives; the poison message
 must end on the dead-letter topic within its limit, and every healthy message be applied once.
+A message that hangs its handler is ended by the runner's watchdog (``HANDLER_TIMEOUT``, short
+here), and is then dead-lettered as one that kills its consumer is.
 Runs on the mock cluster, or on the broker named by ``KAFKA_BOOTSTRAP_SERVERS`` (Tansu).
 """
 
@@ -21,6 +23,7 @@ from django.db import connection
 
 pytest.importorskip("confluent_kafka")
 
+from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
 from testproject.shop.models import Effect
 from tests.kafka_cluster import Cluster, ConsumerProcess, start_consumer
 from tests.workers import database_url
@@ -44,6 +47,8 @@ def poison(kind: str) -> tuple[bytes, int, int]:
         return json.dumps({"event_id": event_id, "behaviour": "fail"}).encode(), 0, 1
     if kind == "exits":  # os._exit in the handler: counted on each consumer, parked on the 4th
         return json.dumps({"event_id": event_id, "behaviour": "exit"}).encode(), 3, 1
+    if kind == "hangs":  # past HANDLER_TIMEOUT: the watchdog ends each consumer, as "exits"
+        return json.dumps({"event_id": event_id, "behaviour": "hang"}).encode(), 3, 1
     if kind == "huge":  # over librdkafka's default 1 MB message.max.bytes, and it raises
         body = {"event_id": event_id, "behaviour": "fail", "pad": "x" * 1_200_000}
         return json.dumps(body).encode(), 0, 1
@@ -58,9 +63,14 @@ def poison(kind: str) -> tuple[bytes, int, int]:
     raise AssertionError(kind)
 
 
+#: The exit status of a consumer the poison ended: the handler's os._exit(3), or the watchdog's.
+EXIT_STATUS = {"hangs": HANG_EXIT_STATUS}
+
+
 KINDS = [
     "raises",
     "exits",
+    "hangs",
     "huge",
     "deeply-nested",
     "surrogate-id",
@@ -84,6 +94,9 @@ def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
         producer.produce(topic, value=body, key=b"one-partition")
     assert producer.flush(30) == 0
 
+    extra_env = {"SHOP_KAFKA_EVENT_ID": "json:event_id"}
+    if kind == "hangs":  # short, so the test is; ample for a healthy message on a loaded machine
+        extra_env["SHOP_KAFKA_HANDLER_TIMEOUT"] = "2"
     started: list[ConsumerProcess] = []
     try:
         for _ in range(deaths + 1):
@@ -94,7 +107,7 @@ def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
                 db_url=database_url(connection.settings_dict),
                 log_dir=tmp_path,
                 name=f"consumer{len(started)}",
-                extra_env={"SHOP_KAFKA_EVENT_ID": "json:event_id"},
+                extra_env=extra_env,
             )
             started.append(consumer)
             for _ in range(900):
@@ -103,7 +116,10 @@ def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
                 threading.Event().wait(0.1)
             if consumer.process.poll() is None:
                 break
-            assert consumer.process.returncode == 3, consumer.output()[-3000:]
+            status = EXIT_STATUS.get(kind, 3)
+            assert consumer.process.returncode == status, consumer.output()[-3000:]
+            if kind == "hangs":
+                assert "HANDLER HUNG" in consumer.output(), consumer.output()[-3000:]
         survivor = started[-1]
         assert len(started) == deaths + 1, [c.output()[-2000:] for c in started]
         kafka_cluster.wait_caught_up(topic, group, timeout=90)

@@ -181,18 +181,21 @@ def test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
     assert {"6 applied", "2 dead-lettered", "5 retry"} <= set(stopped.strip().split(", "))
 
 
-def until_one_survives(consumers: Any, applied: int, most: int = 6) -> tuple[int, Any]:
-    """Start consumers one after another until one is still running once ``applied`` effects
-    exist; every one before it must have died of SIGKILL. Returns the deaths and the survivor."""
+def until_one_survives(
+    consumers: Any, applied: int, most: int = 6, status: int = -9, **env: str
+) -> tuple[int, Any]:
+    """Start consumers (with ``env``) one after another until one is still running once
+    ``applied`` effects exist; every one before it must have died with ``status`` (SIGKILL's by
+    default). Returns the deaths and the survivor."""
     for deaths in range(most):
-        consumer = consumers()
+        consumer = consumers(**env)
         for _ in range(600):
             if consumer.process.poll() is not None or len(effects()) >= applied:
                 break
             threading.Event().wait(0.1)
         if consumer.process.poll() is None:
             return deaths, consumer
-        assert consumer.process.returncode == -9, consumer.output()
+        assert consumer.process.returncode == status, consumer.output()
     raise AssertionError(f"{most} consumers died one after another")
 
 

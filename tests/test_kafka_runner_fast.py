@@ -3,8 +3,9 @@
 Each test runs :class:`~django_idempotency.kafka.runner.ConsumerRunner` in this process (in a
 thread where two consumers take part) on librdkafka's mock cluster (or the broker named by
 ``KAFKA_BOOTSTRAP_SERVERS``), on the test database, with ``run(max_messages=...)`` bounding the
-loop. The slow proofs in ``tests/test_kafka_runner.py`` show the same guarantees with real
-consumer processes, SIGKILL and rebalances between them.
+loop. The hang test alone runs it in a subprocess, which its watchdog must end. The slow proofs
+in ``tests/test_kafka_runner.py`` show the same guarantees with real consumer processes, SIGKILL
+and rebalances between them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -24,13 +26,15 @@ import pytest
 pytest.importorskip("confluent_kafka")
 
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
-from django.db import transaction
+from django.db import connection, transaction
 
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome, killed_error
 from django_idempotency.kafka.settings import ConsumerSettings
+from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
-from tests.kafka_cluster import Cluster
+from tests.kafka_cluster import Cluster, start_consumer
+from tests.workers import database_url
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.django_db(transaction=True)]
 #: The quick suite keeps one test per guarantee (offset after the commit, dead letter before the
@@ -167,6 +171,43 @@ def test_a_failure_seeks_back_and_the_partition_keeps_its_order(
     assert sorted(effect_ids()) == sorted([flaky_id, after_id])  # the failures rolled back
     assert runner.counts == {Outcome.RETRY: 2, Outcome.APPLIED: 2}
     assert sum(committed(kafka_cluster, settings).values()) == 2
+
+
+def test_a_handler_that_hangs_ends_its_process_after_its_delivery_is_counted(
+    kafka_cluster: Cluster, topic: str, tmp_path: Path
+) -> None:
+    """HANDLER_TIMEOUT: a handler that never returns ends the runner's process (a subprocess
+    here: ``manage.py idempotency_consume``), from the watchdog thread, with one log line, as
+    a handler that kills its process would. The delivery was counted before the handler, so a
+    supervisor's restart redelivers it and MAX_DELIVERIES dead-letters a message that hangs
+    every time (the slow proof: the ``hangs`` kind of tests/test_kafka_poison.py). Idle in its
+    poll for the whole group join, far longer than the timeout, the runner was not ended."""
+    hung = {"event_id": str(uuid.uuid4()), "behaviour": "hang"}
+    kafka_cluster.produce(topic, [hung])
+    consumer = start_consumer(
+        kafka_cluster,
+        topic=topic,
+        group=f"hang-{uuid.uuid4().hex[:8]}",
+        db_url=database_url(connection.settings_dict),
+        log_dir=tmp_path,
+        name="hung",
+        # Short, and ample for the count and the reservation (the process's first queries).
+        extra_env={"SHOP_KAFKA_HANDLER_TIMEOUT": "2"},
+    )
+    try:
+        status = consumer.process.wait(90)
+    finally:
+        if consumer.process.poll() is None:
+            consumer.kill()
+
+    output = consumer.output()
+    assert status == HANG_EXIT_STATUS, output[-3000:]
+    [line] = [line for line in output.splitlines() if "HANDLER HUNG" in line]
+    assert f"consumer shop.kafka, event {hung['event_id']}, {topic}[" in line
+    assert "past HANDLER_TIMEOUT (2s)" in line
+    counter = EventDelivery.objects.get(consumer="shop.kafka", event_id=hung["event_id"])
+    assert (counter.deliveries, counter.parked_at) == (1, None)
+    assert not Effect.objects.filter(name="kafka").exists()  # rolled back with its process
 
 
 @REGRESSION
@@ -358,7 +399,7 @@ def test_a_consumer_killed_by_a_message_says_so_in_dlq_error() -> None:
     consumer): the slow SIGKILL proof checks it on the dead-letter topic."""
     assert killed_error(4) == (
         "EventParked: no delivery of 4 ended; the consumer died while handling it (killed, "
-        "out of memory or crashed)"
+        "out of memory, crashed, or hung past HANDLER_TIMEOUT)"
     )
 
 

@@ -68,6 +68,19 @@ def test_a_valid_consumer_parses_with_its_defaults() -> None:
         ({"RETRY_DELAY": -1}, "zero or a positive number"),
         ({"COMMIT_INTERVAL": "5"}, "zero or a positive number"),
         ({"TOPIC": ["orders"]}, "unknown key(s) TOPIC"),
+        ({"HANDLER_TIMEOUT": -1}, "positive number of seconds a handler may run"),
+        ({"HANDLER_TIMEOUT": "30"}, "or 0 for no limit (default: CONFIG's max.poll.interval"),
+        ({"HANDLER_TIMEOUT": True}, "or 0 for no limit"),
+        ({"HANDLER_TIMEOUT": float("inf")}, "or 0 for no limit"),
+        ({"HANDLER_TIMEOUT": float("nan")}, "or 0 for no limit"),
+        (
+            {"CONFIG": {"bootstrap.servers": "b:9092", "max.poll.interval.ms": "soon"}},
+            "'max.poll.interval.ms' to 'soon': use a positive number of milliseconds",
+        ),
+        (
+            {"CONFIG": {"bootstrap.servers": "b:9092", "max.poll.interval.ms": 0}},
+            "positive number of milliseconds",
+        ),
     ],
 )
 def test_each_mistake_is_e002_and_says_what_to_change(
@@ -80,6 +93,26 @@ def test_each_mistake_is_e002_and_says_what_to_change(
     assert ids(messages) == ["django_idempotency.E002"]
     assert "KAFKA_CONSUMERS" in messages[0].msg
     assert text in messages[0].msg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "seconds"),
+    [
+        ({}, 300.0),  # librdkafka's default max.poll.interval.ms
+        ({"HANDLER_TIMEOUT": None}, 300.0),
+        ({"CONFIG": {"bootstrap.servers": "b:9092", "max.poll.interval.ms": 600_000}}, 600.0),
+        ({"CONFIG": {"bootstrap.servers": "b:9092", "max.poll.interval.ms": "90000"}}, 90.0),
+        ({"HANDLER_TIMEOUT": 30}, 30.0),
+        ({"HANDLER_TIMEOUT": 0.5}, 0.5),
+        ({"HANDLER_TIMEOUT": 0}, 0.0),  # no watchdog
+    ],
+)
+def test_the_handler_timeout_defaults_to_the_max_poll_interval(
+    overrides: dict[str, Any], seconds: float
+) -> None:
+    with override_settings(IDEMPOTENCY=consumer(**overrides)):
+        assert check_settings() == []
+        assert consumer_settings("billing.ledger").handler_timeout == seconds
 
 
 def test_a_missing_required_key_is_named() -> None:

@@ -32,7 +32,7 @@ LAYERS: dict[str, list[set[str]]] = {
     ],
     "events": [{"consumers", "celery", "django_tasks"}, {"core"}, {"ids"}, {"store"}],
     "outbox": [{"relay"}, {"core"}, {"transports"}, {"store"}],
-    "kafka": [{"runner", "transport"}, {"settings"}],
+    "kafka": [{"runner", "transport"}, {"watchdog", "settings"}],
     "flows": [{"completer", "sagas"}, {"phases"}],
     "retention": [{"purge"}, {"partitioning"}, {"reports"}],
 }

@@ -18,7 +18,10 @@ A crash between 2 and 3 redelivers the message, and its reservation skips it. A 
 raises rolls back, and the message is delivered again after ``RETRY_DELAY``; once the event has
 been delivered more than ``MAX_DELIVERIES`` times the core parks it, and the runner produces the
 message to the dead-letter topic, with its headers, the error and the delivery count, then moves
-the offset on. A message without a usable event id goes to the dead-letter topic at once.
+the offset on. A message without a usable event id goes to the dead-letter topic at once. A
+handler (or a batch) that runs past ``HANDLER_TIMEOUT`` ends the process, as a crash would (see
+:mod:`~django_idempotency.kafka.watchdog`): a message that hangs every time is counted on each
+consumer it hangs, and dead-lettered like one that kills them.
 
 :class:`KafkaTransport` sends outbox messages with an idempotent producer (``acks=all``), keyed
 by the ordering key (a key-hash partitioner), with the event id in an ``event_id`` header.
@@ -49,6 +52,7 @@ from django_idempotency.events.core import normalize_event_id, process_event
 from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 from django_idempotency.extras import missing_extra
 from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
+from django_idempotency.kafka.watchdog import Watchdog
 from django_idempotency.models import EventDelivery
 
 try:
@@ -164,10 +168,11 @@ def _storable(event_id: str) -> None:
 
 def killed_error(deliveries: int) -> str:
     """The ``dlq.error`` of a message parked with no error recorded: no delivery of it ever
-    ended, so each one died with its consumer (SIGKILL, out of memory, a crash, os._exit)."""
+    ended, so each one died with its consumer (SIGKILL, out of memory, a crash, os._exit, the
+    watchdog of a hung handler)."""
     return (
         f"EventParked: no delivery of {deliveries} ended; the consumer died while handling "
-        f"it (killed, out of memory or crashed)"
+        f"it (killed, out of memory, crashed, or hung past HANDLER_TIMEOUT)"
     )
 
 
@@ -209,6 +214,8 @@ class ConsumerRunner:
         self._unreachable = False
         """The brokers were reported unreachable, and nothing has answered since (logged once)."""
         self._library_log = _LibraryLog(logger)
+        self._watchdog = Watchdog(self.settings.handler_timeout, logger, self.settings.name)
+        """Ends the process when a handler runs past ``HANDLER_TIMEOUT`` (see watchdog.py)."""
 
     # The loop
 
@@ -246,6 +253,7 @@ class ConsumerRunner:
             settings.group,
         )
         self._log_waiting()
+        self._watchdog.start()
         seen = 0
         try:
             while not self._stopping.is_set():
@@ -277,6 +285,7 @@ class ConsumerRunner:
                 if max_messages is not None and seen >= max_messages:
                     break
         finally:
+            self._watchdog.stop()
             self._commit()
             consumer.close()  # leaves the group: its partitions move on at once
             self._consumer = None
@@ -343,7 +352,12 @@ class ConsumerRunner:
         outcomes: list[Outcome] = []
         try:
             ids = [event_id_of(message, settings) for message in messages]
-            with transaction.atomic(using=conf.DATABASE):
+
+            def batch() -> str:
+                first, last = _describe(messages[0]), _describe(messages[-1])
+                return f"a batch of {len(messages)}, {first} to {last}"
+
+            with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
                 for message, event_id in zip(messages, ids, strict=True):
                     processed = process_event(
                         settings.name,
@@ -405,15 +419,20 @@ class ConsumerRunner:
                 exc_info=not isinstance(exc, MissingEventId),
             )
             return self._dead_letter(message, f"{type(exc).__name__}: {exc}", deliveries=1)
+
+        def what() -> str:
+            return f"event {log_text(event_id)}, {_describe(message)}"
+
         try:
-            processed = process_event(
-                settings.name,
-                event_id,
-                lambda: self.handler(message),
-                topic=message.topic(),
-                max_deliveries=settings.max_deliveries,
-                redelivered=False if _position(message)[:2] in self._settled else None,
-            )
+            with self._watchdog.arm(what):  # the count, the handler, its transaction
+                processed = process_event(
+                    settings.name,
+                    event_id,
+                    lambda: self.handler(message),
+                    topic=message.topic(),
+                    max_deliveries=settings.max_deliveries,
+                    redelivered=False if _position(message)[:2] in self._settled else None,
+                )
         except EventParked:
             try:
                 deliveries, error = self._delivery_record(event_id)

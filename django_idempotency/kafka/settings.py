@@ -22,6 +22,7 @@ system checks can validate the setting, and say to install the extra, on any ins
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,8 +49,12 @@ OPTIONAL = (
     "POLL_TIMEOUT",
     "COMMIT_INTERVAL",
     "BATCH_SIZE",
+    "HANDLER_TIMEOUT",
 )
 MAX_BATCH_SIZE = 10_000
+MAX_POLL_INTERVAL_MS = 300_000
+"""librdkafka's default ``max.poll.interval.ms``: a consumer that does not poll for this long
+leaves its group, and its partitions go to another member."""
 EVENT_ID_SOURCES = ("header", "json")
 RUNNER_OWNED = {
     "group.id": "set GROUP instead",
@@ -100,6 +105,11 @@ class ConsumerSettings:
     ``BATCH_SIZE=1``. A partition is batched only once it has applied a message since it was
     assigned here, so a message that kills its consumer is always met one at a time, counted,
     and parked."""
+    handler_timeout: float = MAX_POLL_INTERVAL_MS / 1000
+    """Seconds one message's handler (one batch's, in batch mode) may run, with its
+    transaction, before the runner ends its process (``os._exit``) so that its supervisor
+    restarts it; 0: no limit. Default ``max.poll.interval.ms`` of ``config``, past which Kafka
+    takes the partitions away anyway. See :mod:`django_idempotency.kafka.watchdog`."""
     producer_config: dict[str, Any] = field(default_factory=dict)
     """The dead-letter producer's connection properties, taken from ``config``."""
 
@@ -153,6 +163,38 @@ def _event_id(path: str, value: Any) -> tuple[str, str]:
 def _seconds(path: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
         raise _error(path, f"must be zero or a positive number of seconds, not {value!r}.")
+    return float(value)
+
+
+def _max_poll_interval(path: str, config: Mapping[str, Any]) -> float:
+    """``max.poll.interval.ms`` of ``config`` (librdkafka's default if unset), in seconds."""
+    raw = config.get("max.poll.interval.ms", MAX_POLL_INTERVAL_MS)
+    try:
+        millis = float(raw) if not isinstance(raw, bool) else math.nan
+    except ValueError:
+        millis = math.nan
+    if not math.isfinite(millis) or millis <= 0:
+        raise _error(
+            path, f"sets 'max.poll.interval.ms' to {raw!r}: use a positive number of milliseconds."
+        )
+    return millis / 1000
+
+
+def _handler_timeout(path: str, value: Any, max_poll_interval: float) -> float:
+    if value is None:
+        return max_poll_interval
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise _error(
+            path,
+            f"must be a positive number of seconds a handler may run before its process is "
+            f"ended, or 0 for no limit (default: CONFIG's max.poll.interval.ms, "
+            f"{max_poll_interval:g}s here), not {value!r}.",
+        )
     return float(value)
 
 
@@ -220,6 +262,11 @@ def _parse_one(name: Any, entry: Any) -> ConsumerSettings:
         poll_timeout=poll_timeout,
         commit_interval=_seconds(f"{where}['COMMIT_INTERVAL']", entry.get("COMMIT_INTERVAL", 0.0)),
         batch_size=batch_size,
+        handler_timeout=_handler_timeout(
+            f"{where}['HANDLER_TIMEOUT']",
+            entry.get("HANDLER_TIMEOUT"),
+            _max_poll_interval(f"{where}['CONFIG']", config),
+        ),
         producer_config={k: v for k, v in config.items() if k.startswith(CONNECTION_PREFIXES)},
     )
 

@@ -11,6 +11,8 @@ payload, so the tests can count effects. ``"behaviour"`` makes it misbehave on p
   consumer every time), unless ``$SHOP_KAFKA_FIXED`` is set;
 * ``"exit"``: end its own process with ``os._exit(3)`` inside the transaction (a crash that
   runs no cleanup: a segfault in a client library, say);
+* ``"hang"``: sleep for ever inside the transaction (a call without a timeout, a deadlock),
+  unless ``$SHOP_KAFKA_FIXED`` is set: the runner's ``HANDLER_TIMEOUT`` ends the process;
 * ``"slow"``: write ``<event id>.started`` into ``$SHOP_KAFKA_PAUSE_DIR``, then take two
   seconds (the graceful stop test sends SIGTERM meanwhile);
 * ``"pause_after_commit"``: after the transaction commits, write ``<event id>.committed`` into
@@ -59,6 +61,9 @@ def apply(message: Message) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if behaviour == "exit":
         os._exit(3)
+    if behaviour == "hang" and not os.environ.get("SHOP_KAFKA_FIXED"):
+        while True:
+            time.sleep(0.1)
     if behaviour == "slow":
         (Path(os.environ["SHOP_KAFKA_PAUSE_DIR"]) / f"{event_id}.started").touch()
         time.sleep(2)
