@@ -184,38 +184,80 @@ def _pytest(
     return _finish_pass(session, combination, name, code, time.monotonic() - started, junit)
 
 
-def _pytest_together(
-    session: nox.Session, combination: str, backends: tuple[str, ...], pytest_args: list[str]
-) -> list[str]:
-    """One pass per backend, all at once; returns the backends whose pass failed.
+def _start_pass(
+    session: nox.Session,
+    combination: str,
+    backend: str,
+    pytest_args: list[str],
+    *,
+    label: str | None = None,
+    env: dict[str, str] | None = None,
+    after: Callable[[], object] | None = None,
+) -> Callable[[], bool]:
+    """Start one pytest pass in the background; returns a function that waits for it, prints
+    its log (``.reports/<combination>-<label>.log``), calls ``after``, records the pass and
+    says whether it passed."""
+    name = label or backend
+    command, run_env, junit = _pass_command(
+        session, combination, backend, pytest_args, label=label, env=env
+    )
+    log = REPORTS / f"{combination}-{name}.log"
+    session.log(f"pytest on {name} (log: {log.relative_to(ROOT)}): {' '.join(command[3:])}")
+    output = log.open("w")
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, env=run_env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
+    )
 
-    The passes use three different database servers, so their test databases cannot collide,
-    and most of a slow pass is spent waiting on subprocesses, brokers and sleeps: side by side
-    they take little longer than the longest alone. Each writes its output to
-    ``.reports/<combination>-<backend>.log``, printed whole when it ends, and its coverage data
-    to ``.coverage.<backend>`` (combined afterwards).
-    """
-    running = []
-    for backend in backends:
-        command, run_env, junit = _pass_command(session, combination, backend, pytest_args)
-        run_env["COVERAGE_FILE"] = str(ROOT / f".coverage.{backend}")
-        log = REPORTS / f"{combination}-{backend}.log"
-        session.log(f"pytest on {backend} (log: {log.relative_to(ROOT)}): {' '.join(command[3:])}")
-        output = log.open("w")
-        process = subprocess.Popen(
-            command, env=run_env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
-        )
-        running.append((backend, process, output, log, junit, time.monotonic()))
-    failed = []
-    for backend, process, output, log, junit, started in running:
+    def finish() -> bool:
         code = process.wait()
         seconds = time.monotonic() - started
         output.close()
-        print(f"\n----- pytest on {backend} ({seconds:.0f}s, exit {code}) -----", flush=True)
+        if after is not None:
+            after()
+        print(f"\n----- pytest on {name} ({seconds:.0f}s, exit {code}) -----", flush=True)
         print(log.read_text(), flush=True)
-        if not _finish_pass(session, combination, backend, code, seconds, junit):
-            failed.append(backend)
-    return failed
+        return _finish_pass(session, combination, name, code, seconds, junit)
+
+    return finish
+
+
+# pytest-xdist workers for a backend's pass in the main combination. Most of a slow pass is spent
+# waiting on worker processes, brokers and sleeps, so two workers (whole files each, each with a
+# test database of its own) nearly halve a PostgreSQL or MariaDB pass even on two cores. SQLite's
+# pass is the shortest and stays in one process.
+WORKERS = {"postgres": 2, "mariadb": 2}
+
+
+def _workers(backend: str) -> list[str]:
+    workers = int(os.environ.get("WORKERS", "0")) or WORKERS.get(backend, 1)
+    return ["-n", str(workers), "--dist", "loadfile"] if workers > 1 else []
+
+
+def _pytest_together(
+    session: nox.Session,
+    combination: str,
+    backends: tuple[str, ...],
+    pytest_args: list[str],
+    beside: dict[str, Callable[[], Callable[[], bool]]] | None = None,
+) -> list[str]:
+    """One pass per backend, all at once, and the passes ``beside`` starts (the PgBouncer and
+    Tansu passes); returns the names of the passes that failed.
+
+    The passes use three different database servers (or test databases of their own), so
+    they cannot collide, and most of a slow pass is spent waiting on subprocesses, brokers and
+    sleeps: side by side they take little longer than the longest alone. Each writes its output
+    to ``.reports/<combination>-<backend>.log``, printed whole when it ends, and its coverage
+    data to ``.coverage.<backend>`` (combined afterwards).
+    """
+    running: list[tuple[str, Callable[[], bool]]] = []
+    for backend in backends:
+        env = {"COVERAGE_FILE": str(ROOT / f".coverage.{backend}")}
+        args = [*pytest_args, *_workers(backend)]
+        running.append((backend, _start_pass(session, combination, backend, args, env=env)))
+    for name, start in (beside or {}).items():
+        running.append((name, start()))
+    return [name for name, finish in running if not finish()]
 
 
 def _services_up(
@@ -262,45 +304,41 @@ def tests(session: nox.Session, django: str) -> None:
         session.run("python", "manage.py", "makemigrations", "--check", "--dry-run")
     up = _services_up(session, combination, backends)
     if main:
-        # Every backend at once, with coverage; see _pytest_together.
+        # Every backend at once, with coverage, and beside them the PgBouncer pass and the
+        # Tansu pass (each mostly waiting, each on test databases of its own); see
+        # _pytest_together.
         coverage = ["--cov", "--cov-branch", "--cov-report="]
-        failed = _pytest_together(session, combination, up, [*coverage, *_marks(slow)])
+        beside = {
+            "pgbouncer": lambda: _pgbouncer_pass(session, combination),
+            "tansu": lambda: _second_broker_pass(session, combination),
+        }
+        failed = _pytest_together(session, combination, up, [*coverage, *_marks(slow)], beside)
+        session.run("python", "-m", "coverage", "combine", "--quiet")
+        session.run("python", "-m", "coverage", "report", "--skip-covered")
     else:
         failed = [
             backend for backend in up if not _pytest(session, combination, backend, _marks(slow))
         ]
-    if main:
-        # The Tansu pass (a broker of its own, mostly waiting on consumer processes) runs beside
-        # the PgBouncer pass.
-        second_broker = _second_broker_pass(session, combination)
-        if not _pgbouncer_pass(session, combination):
-            failed.append("pgbouncer")
-        if not second_broker():
-            failed.append("tansu")
-        session.run("python", "-m", "coverage", "combine", "--quiet")
-        session.run("python", "-m", "coverage", "report", "--skip-covered")
     if failed:
         session.error(f"pytest failed on: {', '.join(failed)}")
 
 
-def _pgbouncer_pass(session: nox.Session, combination: str) -> bool:
-    """``pytest -m pooler`` through PgBouncer in transaction mode (scripts/pgbouncer.sh)."""
+def _pgbouncer_pass(session: nox.Session, combination: str) -> Callable[[], bool]:
+    """Start ``pytest -m pooler`` through PgBouncer in transaction mode (scripts/pgbouncer.sh),
+    on test databases of its own; returns the function that waits for it (see _start_pass)."""
     script = ROOT / "scripts" / "pgbouncer.sh"
     if not script.exists():
         session.warn("scripts/pgbouncer.sh does not exist: the PgBouncer pass is not run")
         _record(combination=combination, backend="pgbouncer", exit=None, ok=True, absent=True)
-        return True
+        return lambda: True
     if subprocess.run([str(script), "start"], cwd=ROOT, check=False).returncode != 0:
         session.warn("!!! PgBouncer did not start: the pooler pass FAILS !!!")
         _record(combination=combination, backend="pgbouncer", exit=None, ok=False)
-        return False
-    return _pytest(
-        session,
-        combination,
-        "postgres",
-        ["-m", "pooler"],
-        label="pgbouncer",
-        env={"DATABASE_URL": PGBOUNCER_URL, "PGBOUNCER": "1"},
+        return lambda: False
+    suffix = os.environ.get("TEST_DB_SUFFIX", "") + "_pgbouncer"
+    env = {"DATABASE_URL": PGBOUNCER_URL, "PGBOUNCER": "1", "TEST_DB_SUFFIX": suffix}
+    return _start_pass(
+        session, combination, "postgres", ["-m", "pooler"], label="pgbouncer", env=env
     )
 
 
@@ -318,28 +356,20 @@ def _second_broker_pass(session: nox.Session, combination: str) -> Callable[[], 
     port = os.environ.get("TANSU_PORT", "19092")
     suffix = os.environ.get("TEST_DB_SUFFIX", "") + "_tansu"
     env = {"KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{port}", "TEST_DB_SUFFIX": suffix}
-    command, run_env, junit = _pass_command(
-        session, combination, "postgres", ["-m", "second_broker"], label="tansu", env=env
-    )
-    log = REPORTS / f"{combination}-tansu.log"
-    session.log(f"pytest on tansu (log: {log.relative_to(ROOT)}): {' '.join(command[3:])}")
-    output = log.open("w")
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, env=run_env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT
-    )
 
-    def finish() -> bool:
-        code = process.wait()
-        seconds = time.monotonic() - started
-        output.close()
+    def stop() -> None:
         if not was_up:
             subprocess.run([str(script), "stop"], cwd=ROOT, check=False)
-        print(f"\n----- pytest on tansu ({seconds:.0f}s, exit {code}) -----", flush=True)
-        print(log.read_text(), flush=True)
-        return _finish_pass(session, combination, "tansu", code, seconds, junit)
 
-    return finish
+    return _start_pass(
+        session,
+        combination,
+        "postgres",
+        ["-m", "second_broker"],
+        label="tansu",
+        env=env,
+        after=stop,
+    )
 
 
 SHOW_VERSIONS = """
