@@ -4,9 +4,9 @@
 #   scripts/test.sh [pytest args]       (make test)
 #
 # The matrix (nox sessions, noxfile.py): the full suite (slow tests included) on SQLite,
-# PostgreSQL and MariaDB side by side for the main combination, Django 6.1 on Python 3.13, then
-# a pytest -m pooler pass through PgBouncer and a pytest -m second_broker pass against Tansu; the
-# quick suite on PostgreSQL for Django 6.0/3.12 and for 5.2/3.11, the oldest (every Django and
+# PostgreSQL and MariaDB side by side for the main combination, Django 6.1 on Python 3.13, with
+# a pytest -m pooler pass through PgBouncer and a pytest -m second_broker pass against Tansu
+# beside them; the quick suite on PostgreSQL for Django 6.0/3.12 and for 5.2/3.11, the oldest (every Django and
 # every Python at least once); the quick suite on SQLite and PostgreSQL with every runtime
 # dependency at its declared minimum ("lowest", 5.2/3.11); the built wheel installed bare and
 # with each extra in fresh venvs ("install").
@@ -18,6 +18,8 @@
 #   BACKENDS="sqlite postgres"   only these database passes (default: each combination's own).
 #   SESSIONS="tests(6.1-py3.13) install"   only these nox sessions (default: all).
 #   JOBS=2              lanes for the sessions beside the main one (1: one after the other).
+#   WORKERS=N           pytest-xdist workers for each main pass (default: 2 for PostgreSQL and
+#                       MariaDB, 1 for SQLite; 1: every pass in one process).
 #   LANES_AFTER=1       run those lanes after the main combination instead of beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
