@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The loop between two edits (make test-quick): ruff, then the quick tests (no race, crash,
 # worker or browser test) of the .venv's Django and Python on SQLite and PostgreSQL, side by
-# side, in at most three minutes on two cores. It installs nothing and starts no service: the
+# side, each in WORKERS pytest-xdist workers (default 2; 1: one process each), in at most three
+# minutes on two cores. It installs nothing and starts no service: the
 # full suite, MariaDB, PgBouncer, the version matrix, the wheel and the docs build are
 # `make test`'s. PostgreSQL down: its pass is skipped, loudly.
 #
@@ -32,11 +33,21 @@ else
   echo "!!!! PostgreSQL at 127.0.0.1:5432 is UNREACHABLE: its quick pass is SKIPPED !!!!"
 fi
 declare -A url=([sqlite]="" [postgres]="postgres://postgres@127.0.0.1:5432/postgres")
+# WORKERS pytest-xdist workers per pass (whole files each): the quick tests' time is mostly
+# spent waiting on Kafka group joins, broker timeouts and subprocesses, which overlap.
+xdist=()
+if [ "${WORKERS:-2}" -gt 1 ]; then
+  if python -c "import xdist" 2>/dev/null; then
+    xdist=(-n "${WORKERS:-2}" --dist loadfile)
+  else
+    echo "!! pytest-xdist is not in .venv (scripts/bootstrap.sh dev installs it): one process per pass"
+  fi
+fi
 pids=()
 for backend in "${backends[@]}"; do
   DATABASE_URL="${url[$backend]}" TEST_DB_BACKEND="$backend" TEST_DB_SUFFIX="${TEST_DB_SUFFIX:-}_quick" \
-    python -m pytest -q -p no:cacheprovider -m "not slow" -W error::DeprecationWarning "$@" \
-    > "$reports/$backend.log" 2>&1 &
+    python -m pytest -q -p no:cacheprovider -m "not slow" -W error::DeprecationWarning \
+    "${xdist[@]}" "$@" > "$reports/$backend.log" 2>&1 &
   pids+=($!)
 done
 code=0
