@@ -486,3 +486,33 @@ def test_the_gauges_report_every_database_a_process_observes(otel: Sdk) -> None:
         if name == telemetry.OUTBOX_PENDING
     }
     assert pending == {"default": 0, "other": 1}
+
+
+@pytest.mark.django_db(databases=["default", "other"])
+def test_a_database_that_cannot_be_read_hides_no_other(
+    otel: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: one callback reads every observed database, and the first that failed
+    raised into the SDK, which then reported no database at all for that gauge."""
+    from django.db import connections
+
+    assert telemetry.observe("default")
+    assert telemetry.observe("other")
+    with transaction.atomic(using="default"):
+        outbox.send("gauge.topic", {"n": 1})
+    other = connections["other"]
+    other.close()
+    port = other.settings_dict.get("PORT")
+    other.settings_dict["PORT"] = "1"  # nothing listens there: the database is down
+    try:
+        with caplog.at_level("WARNING"):
+            pending = {
+                attributes["idempotency.database"]: value
+                for name, attributes, value in otel.points()
+                if name == telemetry.OUTBOX_PENDING
+            }
+    finally:
+        other.close()
+        other.settings_dict["PORT"] = port
+    assert pending == {"default": 1}
+    assert any("other" in record.getMessage() for record in caplog.records)
