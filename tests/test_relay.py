@@ -916,3 +916,34 @@ def test_a_busy_relay_reads_its_notifications_before_every_batch() -> None:
     assert not thread.is_alive()
     assert len(unread_at_next_batch) >= 4
     assert not any(unread_at_next_batch), unread_at_next_batch
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_drain_reads_every_notification_waiting_not_one_socket_read() -> None:
+    """Regression: drain() read the socket once (psycopg's ``notifies(timeout=0)`` stops after
+    its first read, about 16 kB of notifications). Behind a backlog of producer commits the
+    rest stayed unread: the socket filled up, as the comment in ``serve()`` fears, and every
+    notification the claim had already seen woke the next wait for nothing."""
+    import select
+
+    from django.db import connection
+
+    from django_idempotency.outbox import store
+
+    listener = store.Listener.open(connection.alias)
+    assert listener is not None and listener.wrapper is not None
+    try:
+        with connection.cursor() as cursor:  # one commit, 5,000 distinct notifications
+            cursor.execute(
+                "SELECT count(pg_notify(%s, g::text)) FROM generate_series(1, 5000) g",
+                [outbox.NOTIFY_CHANNEL],
+            )
+        fileno = listener.wrapper.connection.fileno()
+        readable, _, _ = select.select([fileno], [], [], 10)
+        assert readable, "the notifications never reached the listener"
+        time.sleep(0.5)  # let the rest of them reach the socket
+        listener.drain()
+        assert not listener.wait(0.0), "drain() left notifications unread"
+    finally:
+        listener.close()
