@@ -765,14 +765,18 @@ def _figures(alias: str) -> Any:
     from django_idempotency import status
 
     read: Any = None
+    connection = connections[alias]
+    # A periodic reader collects on its own thread, whose connection nobody else closes: it
+    # is closed after each collection (one a minute by default). Only a connection this
+    # collection opened: a thread that collects in the middle of its own work (a /metrics
+    # view on a threaded server) keeps its connection, and its transaction.
+    opened_here = connection.connection is None
     try:
         try:
             read = status.collect(alias)
         finally:
-            # A periodic reader collects on its own thread, whose connection nobody else
-            # closes: it is closed after each collection (one a minute by default).
-            if threading.current_thread() is not threading.main_thread():
-                connections[alias].close()
+            if opened_here and threading.current_thread() is not threading.main_thread():
+                connection.close()
     except Exception:  # logged; the gauges skip this database this time
         logger.warning(
             "telemetry: cannot read the figures of database %r; its gauges are not reported "
