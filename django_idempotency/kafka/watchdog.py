@@ -66,12 +66,18 @@ class Watchdog:
         the thread never pairs one message's deadline with another's description."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending = threading.Event()
+        """Set while the thread decides to end the process: no work begins meanwhile."""
+        self._ended = threading.Event()
+        """Set once ``end_process`` has returned (only a stand-in in a test returns)."""
 
     def start(self) -> None:
         """Start the watching thread (none if the timeout is 0)."""
         if self.timeout <= 0 or self._thread is not None:
             return
         self._stopped.clear()
+        self._ending.clear()
+        self._ended.clear()
         self._thread = threading.Thread(
             target=self._watch, name=f"idempotency-watchdog-{self._name}", daemon=True
         )
@@ -89,7 +95,11 @@ class Watchdog:
         """Work begins; ``what()`` describes it (already safe to log) if it hangs.
 
         Returns the watchdog, whose ``with`` block disarms it: ``with watchdog.arm(...):``.
+        Once the watchdog has decided to end the process, this waits for the end: the next
+        message must not begin, to be cut off half-way and counted as a delivery that died.
         """
+        if self._ending.is_set():
+            self._ended.wait()
         now = time.monotonic()
         self._armed = (now, now + self.timeout, what)
         return self
@@ -108,9 +118,17 @@ class Watchdog:
         interval = max(0.01, min(0.5, self.timeout / 4))
         while not self._stopped.wait(interval):
             armed = self._armed
-            if armed is not None and time.monotonic() > armed[1] and self._armed is armed:
+            if armed is None or time.monotonic() <= armed[1]:
+                continue
+            # No work may begin from here on; then, if the work read above has not ended
+            # meanwhile, it is past its deadline with nothing after it: end the process. (Had
+            # it ended, the loop may already have begun the next message, and the end would
+            # cut that one off instead.)
+            self._ending.set()
+            if self._armed is armed:
                 self._fire(*armed)
                 return
+            self._ending.clear()
 
     def _fire(self, started: float, deadline: float, what: Callable[[], str]) -> None:
         def report() -> None:
@@ -132,6 +150,7 @@ class Watchdog:
         reporter.start()
         reporter.join(FLUSH_TIMEOUT)
         self._end_process(HANG_EXIT_STATUS)
+        self._ended.set()
 
 
 def _flush_logs() -> None:
