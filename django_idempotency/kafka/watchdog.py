@@ -14,7 +14,8 @@ handler is past ``HANDLER_TIMEOUT``, it logs one CRITICAL line and ends the proc
 ``os._exit(HANG_EXIT_STATUS)``. No signal is used, so it works when the runner runs in a thread
 other than the main one; it never fires while the runner waits in ``poll`` (it is disarmed
 then). The whole process ends, as it would if the handler had killed it: run the runner under a
-supervisor that restarts it.
+supervisor that restarts it. The thread needs the GIL: a hang in C code that holds it (a
+regular expression that backtracks for ever) is seen only once that code returns.
 """
 
 from __future__ import annotations
