@@ -150,8 +150,10 @@ class Watchdog:
         reporter = threading.Thread(target=report, name="idempotency-watchdog-report", daemon=True)
         reporter.start()
         reporter.join(FLUSH_TIMEOUT)
-        self._end_process(HANG_EXIT_STATUS)
-        self._ended.set()
+        try:
+            self._end_process(HANG_EXIT_STATUS)
+        finally:
+            self._ended.set()  # never reached past os._exit; a stand-in lets the work go on
 
 
 def _flush_logs() -> None:
