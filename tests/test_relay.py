@@ -925,24 +925,35 @@ def test_drain_reads_every_notification_waiting_not_one_socket_read() -> None:
     its first read, about 16 kB of notifications). Behind a backlog of producer commits the
     rest stayed unread: the socket filled up, as the comment in ``serve()`` fears, and every
     notification the claim had already seen woke the next wait for nothing."""
-    import select
+    import array
+    import fcntl
+    import termios
 
     from django.db import connection
 
     from django_idempotency.outbox import store
 
+    count = 2000  # about 70 kB: several reads, and within the socket's buffers
     listener = store.Listener.open(connection.alias)
     assert listener is not None and listener.wrapper is not None
     try:
-        with connection.cursor() as cursor:  # one commit, 5,000 distinct notifications
+        with connection.cursor() as cursor:  # one commit, distinct notifications
             cursor.execute(
-                "SELECT count(pg_notify(%s, g::text)) FROM generate_series(1, 5000) g",
-                [outbox.NOTIFY_CHANNEL],
+                "SELECT count(pg_notify(%s, g::text)) FROM generate_series(1, %s) g",
+                [outbox.NOTIFY_CHANNEL, count],
             )
+        # Each is a NotificationResponse: type, length, pid, channel and payload with their
+        # terminating zeros. Wait until all of them are on the socket, unread.
+        channel = len(outbox.NOTIFY_CHANNEL) + 1
+        size = sum(1 + 4 + 4 + channel + len(str(n)) + 1 for n in range(1, count + 1))
         fileno = listener.wrapper.connection.fileno()
-        readable, _, _ = select.select([fileno], [], [], 10)
-        assert readable, "the notifications never reached the listener"
-        time.sleep(0.5)  # let the rest of them reach the socket
+
+        def unread() -> int:
+            buffer = array.array("i", [0])
+            fcntl.ioctl(fileno, termios.FIONREAD, buffer)
+            return buffer[0]
+
+        assert wait_for(lambda: unread() >= size), (unread(), size)
         listener.drain()
         assert not listener.wait(0.0), "drain() left notifications unread"
     finally:
