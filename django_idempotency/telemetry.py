@@ -737,8 +737,13 @@ def _gauge_callback(field: str) -> Callable[[Any], list[Any]]:
         if not api:
             return []
         observations = []
+        # sorted() copies the set in one step under the GIL: an observe() on another thread
+        # cannot change it mid-iteration (no lock: a callback must never wait on the caller).
         for alias in sorted(_state.observed):
-            value = getattr(_figures(alias), field)
+            figures = _figures(alias)
+            if figures is None:  # that database could not be read (logged): the others can
+                continue
+            value = getattr(figures, field)
             observations.append(
                 api.metrics.Observation(value or 0, {"idempotency.database": alias})
             )
@@ -749,7 +754,9 @@ def _gauge_callback(field: str) -> Callable[[Any], list[Any]]:
 
 def _figures(alias: str) -> Any:
     """The status figures of ``alias``: one collection serves every gauge (read once, not once
-    per gauge), for a second."""
+    per gauge), for a second. None, logged once for all the gauges, when the database cannot
+    be read: one database down must not hide the others (an exception raised into the SDK
+    would drop every database's point of the gauge), nor reach the SDK or the application."""
     latest = _state.figures.get(alias)
     if latest is not None and time.monotonic() - latest[0] < 1.0:
         return latest[1]
@@ -757,12 +764,25 @@ def _figures(alias: str) -> Any:
 
     from django_idempotency import status
 
+    read: Any = None
+    connection = connections[alias]
+    # A periodic reader collects on its own thread, whose connection nobody else closes: it
+    # is closed after each collection (one a minute by default). Only a connection this
+    # collection opened: a thread that collects in the middle of its own work (a /metrics
+    # view on a threaded server) keeps its connection, and its transaction.
+    opened_here = connection.connection is None
     try:
-        read = status.collect(alias)
-    finally:
-        # A periodic reader collects on its own thread, whose connection nobody else closes:
-        # it is closed after each collection (one a minute by default).
-        if threading.current_thread() is not threading.main_thread():
-            connections[alias].close()
+        try:
+            read = status.collect(alias)
+        finally:
+            if opened_here and threading.current_thread() is not threading.main_thread():
+                connection.close()
+    except Exception:  # logged; the gauges skip this database this time
+        logger.warning(
+            "telemetry: cannot read the figures of database %r; its gauges are not reported "
+            "this time",
+            alias,
+            exc_info=True,
+        )
     _state.figures[alias] = (time.monotonic(), read)
     return read

@@ -18,6 +18,10 @@ Here every table but the content types and permissions (which the ``post_migrate
 would write again as they were) is emptied with ``DELETE``, in one transaction with the
 foreign keys deferred (PostgreSQL) or unchecked (MariaDB, SQLite). The database ends as the
 flush leaves it; the ids of the content types and permissions are kept rather than renumbered.
+Those two tables are checked (their row count and highest id) against what the last flush
+left: a test that added or deleted one of their rows gets Django's flush, which puts them back
+as post_migrate writes them (and the first transactional test of a process on each database
+gets it too, to take that measure).
 
 Tests that ask for ``available_apps`` or ``serialized_rollback`` keep Django's own teardown.
 This leans on ``TransactionTestCase._fixture_teardown`` and ``_databases_names``, private
@@ -30,6 +34,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from django.core.management import call_command
 from django.db import connections, transaction
 from django.test import TransactionTestCase
 
@@ -37,6 +42,37 @@ from django.test import TransactionTestCase
 KEPT = frozenset({"django_content_type", "auth_permission"})
 
 _django_teardown = TransactionTestCase._fixture_teardown
+
+_kept_as_flushed: dict[str, tuple[Any, ...]] = {}
+"""Per database alias, :func:`kept_state` right after Django's flush last ran on it."""
+
+
+def kept_state(alias: str) -> tuple[Any, ...]:
+    """The row count and highest id of each :data:`KEPT` table of ``alias``."""
+    connection = connections[alias]
+    quote = connection.ops.quote_name
+    figures = ", ".join(
+        f"(SELECT COUNT(*) FROM {quote(table)}), (SELECT MAX({quote('id')}) FROM {quote(table)})"
+        for table in sorted(KEPT)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {figures}")
+        return tuple(cursor.fetchone())
+
+
+def flush(alias: str) -> None:
+    """Django's flush of ``alias``, as its ``TransactionTestCase`` runs it, then the measure of
+    the kept tables it leaves."""
+    call_command(
+        "flush",
+        verbosity=0,
+        interactive=False,
+        database=alias,
+        reset_sequences=False,
+        allow_cascade=False,
+        inhibit_post_migrate=False,
+    )
+    _kept_as_flushed[alias] = kept_state(alias)
 
 
 def empty_tables(alias: str) -> None:
@@ -69,7 +105,10 @@ def _fixture_teardown(self: TransactionTestCase) -> Any:
     if self.available_apps is not None or self.serialized_rollback:
         return _django_teardown(self)
     for alias in self._databases_names(include_mirrors=False):  # type: ignore[attr-defined]
-        empty_tables(alias)
+        if _kept_as_flushed.get(alias) == kept_state(alias):
+            empty_tables(alias)
+        else:  # the first test on this database, or one that changed the kept tables
+            flush(alias)
     return None
 
 

@@ -51,3 +51,24 @@ def test_a_transactional_test_starts_with_empty_tables(round_: int) -> None:
         counts.pop(table)
     assert not any(counts.values())
     Order.objects.create(reference=f"round {round_}", amount_cents=1)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("round_", range(2))
+def test_content_types_and_permissions_a_test_adds_are_gone_after_it(round_: int) -> None:
+    """Regression: the kept tables were never looked at, so a permission (or content type) a
+    test created outlived it, where Django's flush removes it (and post_migrate writes back
+    only the models' own): each round here finds none left by the round before."""
+    assert not ContentType.objects.filter(app_label="fast_flush_test").exists()
+    content_type = ContentType.objects.create(app_label="fast_flush_test", model="gone")
+    Permission.objects.create(codename="gone", name="Gone", content_type=content_type)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("round_", range(2))
+def test_content_types_and_permissions_a_test_deletes_are_back_after_it(round_: int) -> None:
+    """Regression, the other way: a permission a test deleted stayed deleted, where the flush's
+    post_migrate writes it again."""
+    permission = Permission.objects.get(codename="add_user")
+    assert permission.content_type == ContentType.objects.get_for_model(User)
+    permission.delete()

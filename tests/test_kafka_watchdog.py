@@ -86,3 +86,49 @@ def test_stop_ends_its_thread() -> None:
     assert thread.daemon
     watchdog.stop()
     assert not thread.is_alive()
+
+
+def test_no_work_begins_once_it_has_decided_to_end_the_process() -> None:
+    """Regression: between the watchdog's decision and the end of the process (the CRITICAL
+    line gets up to FLUSH_TIMEOUT to be written), the loop went on. Work that ended just past
+    its timeout was followed by the next message, which the end then cut off half-way, to be
+    counted as a delivery that died. Here the line is slow to write: the next message may
+    begin only once the process has ended (the stand-in returns, so it then does)."""
+    reporting, release = threading.Event(), threading.Event()
+
+    class SlowHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            reporting.set()
+            release.wait(30)
+
+    began: list[str] = []
+    began_when_ended: list[list[str]] = []
+
+    def end_process(status: int) -> None:
+        began_when_ended.append(list(began))
+
+    handler = SlowHandler()
+    logger.addHandler(handler)
+    watchdog = Watchdog(0.05, logger, "billing.ledger", end_process=end_process)
+    watchdog.start()
+    try:
+        with watchdog.arm(lambda: "event slow, orders[0]@7"):
+            assert reporting.wait(30)  # past its timeout, being reported
+        # ...and it has just ended: the loop takes the next message.
+
+        def next_message() -> None:
+            with watchdog.arm(lambda: "event next, orders[0]@8"):
+                began.append("next")
+
+        worker = threading.Thread(target=next_message)
+        worker.start()
+        worker.join(1.0)  # it would have begun by now
+        release.set()
+        worker.join(30)
+        assert not worker.is_alive()
+    finally:
+        release.set()
+        logger.removeHandler(handler)
+        watchdog.stop()
+    assert began_when_ended == [[]]
+    assert began == ["next"]

@@ -916,3 +916,45 @@ def test_a_busy_relay_reads_its_notifications_before_every_batch() -> None:
     assert not thread.is_alive()
     assert len(unread_at_next_batch) >= 4
     assert not any(unread_at_next_batch), unread_at_next_batch
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_drain_reads_every_notification_waiting_not_one_socket_read() -> None:
+    """Regression: drain() read the socket once (psycopg's ``notifies(timeout=0)`` stops after
+    its first read, about 16 kB of notifications). Behind a backlog of producer commits the
+    rest stayed unread: the socket filled up, as the comment in ``serve()`` fears, and every
+    notification the claim had already seen woke the next wait for nothing."""
+    import array
+    import fcntl
+    import termios
+
+    from django.db import connection
+
+    from django_idempotency.outbox import store
+
+    count = 2000  # about 70 kB: several reads, and within the socket's buffers
+    listener = store.Listener.open(connection.alias)
+    assert listener is not None and listener.wrapper is not None
+    try:
+        with connection.cursor() as cursor:  # one commit, distinct notifications
+            cursor.execute(
+                "SELECT count(pg_notify(%s, g::text)) FROM generate_series(1, %s) g",
+                [outbox.NOTIFY_CHANNEL, count],
+            )
+        # Each is a NotificationResponse: type, length, pid, channel and payload with their
+        # terminating zeros. Wait until all of them are on the socket, unread.
+        channel = len(outbox.NOTIFY_CHANNEL) + 1
+        size = sum(1 + 4 + 4 + channel + len(str(n)) + 1 for n in range(1, count + 1))
+        fileno = listener.wrapper.connection.fileno()
+
+        def unread() -> int:
+            buffer = array.array("i", [0])
+            fcntl.ioctl(fileno, termios.FIONREAD, buffer)
+            return buffer[0]
+
+        assert wait_for(lambda: unread() >= size), (unread(), size)
+        listener.drain()
+        assert not listener.wait(0.0), "drain() left notifications unread"
+    finally:
+        listener.close()

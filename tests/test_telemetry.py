@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -486,3 +487,67 @@ def test_the_gauges_report_every_database_a_process_observes(otel: Sdk) -> None:
         if name == telemetry.OUTBOX_PENDING
     }
     assert pending == {"default": 0, "other": 1}
+
+
+@pytest.mark.django_db(databases=["default", "other"], transaction=True)
+def test_a_database_that_cannot_be_read_hides_no_other(
+    otel: Sdk, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: one callback reads every observed database, and the first that failed
+    raised into the SDK, which then reported no database at all for that gauge."""
+    from django.db import connections
+
+    assert telemetry.observe("default")
+    assert telemetry.observe("other")
+    with transaction.atomic(using="default"):
+        outbox.send("gauge.topic", {"n": 1})
+    other = connections["other"]
+    other.close()
+    saved = dict(other.settings_dict)
+    if other.vendor == "sqlite":  # the database is down: a file that cannot be opened
+        other.settings_dict["NAME"] = "/nonexistent-directory/db.sqlite3"
+    else:  # nothing listens there
+        other.settings_dict["PORT"] = "1"
+    try:
+        with caplog.at_level("WARNING"):
+            pending = {
+                attributes["idempotency.database"]: value
+                for name, attributes, value in otel.points()
+                if name == telemetry.OUTBOX_PENDING
+            }
+    finally:
+        other.close()
+        other.settings_dict.update(saved)
+    assert pending == {"default": 1}
+    assert any("other" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_collection_on_a_thread_in_a_transaction_leaves_its_connection_alone(
+    otel: Sdk,
+) -> None:
+    """Regression: off the main thread a collection closed the thread's connection, meant for
+    a periodic reader's thread of its own; a thread that collects in the middle of its own
+    work (a /metrics view served by a threaded server, under ATOMIC_REQUESTS) lost its
+    transaction, and its next query failed."""
+    from django.db import connections
+
+    assert telemetry.observe("default")
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with transaction.atomic():
+                outbox.send("gauge.topic", {"n": 1})
+                points = otel.points()  # the callbacks run on this thread
+                assert [v for n, _, v in points if n == telemetry.OUTBOX_PENDING] == [1]
+                assert OutboxEntry.objects.count() == 1  # the transaction goes on
+        except BaseException as exc:  # noqa: BLE001 - reported to the test's thread
+            errors.append(exc)
+        finally:
+            connections.close_all()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(30)
+    assert not errors, errors

@@ -14,7 +14,8 @@ handler is past ``HANDLER_TIMEOUT``, it logs one CRITICAL line and ends the proc
 ``os._exit(HANG_EXIT_STATUS)``. No signal is used, so it works when the runner runs in a thread
 other than the main one; it never fires while the runner waits in ``poll`` (it is disarmed
 then). The whole process ends, as it would if the handler had killed it: run the runner under a
-supervisor that restarts it.
+supervisor that restarts it. The thread needs the GIL: a hang in C code that holds it (a
+regular expression that backtracks for ever) is seen only once that code returns.
 """
 
 from __future__ import annotations
@@ -66,12 +67,18 @@ class Watchdog:
         the thread never pairs one message's deadline with another's description."""
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ending = threading.Event()
+        """Set while the thread decides to end the process: no work begins meanwhile."""
+        self._ended = threading.Event()
+        """Set once ``end_process`` has returned (only a stand-in in a test returns)."""
 
     def start(self) -> None:
         """Start the watching thread (none if the timeout is 0)."""
         if self.timeout <= 0 or self._thread is not None:
             return
         self._stopped.clear()
+        self._ending.clear()
+        self._ended.clear()
         self._thread = threading.Thread(
             target=self._watch, name=f"idempotency-watchdog-{self._name}", daemon=True
         )
@@ -89,7 +96,11 @@ class Watchdog:
         """Work begins; ``what()`` describes it (already safe to log) if it hangs.
 
         Returns the watchdog, whose ``with`` block disarms it: ``with watchdog.arm(...):``.
+        Once the watchdog has decided to end the process, this waits for the end: the next
+        message must not begin, to be cut off half-way and counted as a delivery that died.
         """
+        if self._ending.is_set():
+            self._ended.wait()
         now = time.monotonic()
         self._armed = (now, now + self.timeout, what)
         return self
@@ -108,9 +119,17 @@ class Watchdog:
         interval = max(0.01, min(0.5, self.timeout / 4))
         while not self._stopped.wait(interval):
             armed = self._armed
-            if armed is not None and time.monotonic() > armed[1] and self._armed is armed:
+            if armed is None or time.monotonic() <= armed[1]:
+                continue
+            # No work may begin from here on; then, if the work read above has not ended
+            # meanwhile, it is past its deadline with nothing after it: end the process. (Had
+            # it ended, the loop may already have begun the next message, and the end would
+            # cut that one off instead.)
+            self._ending.set()
+            if self._armed is armed:
                 self._fire(*armed)
                 return
+            self._ending.clear()
 
     def _fire(self, started: float, deadline: float, what: Callable[[], str]) -> None:
         def report() -> None:
@@ -131,7 +150,10 @@ class Watchdog:
         reporter = threading.Thread(target=report, name="idempotency-watchdog-report", daemon=True)
         reporter.start()
         reporter.join(FLUSH_TIMEOUT)
-        self._end_process(HANG_EXIT_STATUS)
+        try:
+            self._end_process(HANG_EXIT_STATUS)
+        finally:
+            self._ended.set()  # never reached past os._exit; a stand-in lets the work go on
 
 
 def _flush_logs() -> None:

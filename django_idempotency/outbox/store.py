@@ -327,11 +327,19 @@ class Listener:
             return True  # a notification may have been lost with the connection: look now
         return woke
 
+    DRAIN_READS = 1000
+    """At most this many socket reads per :meth:`drain` (a read takes up to about 16 kB of
+    notifications): producers that notify faster than it reads cannot hold the relay in it."""
+
     def drain(self) -> None:
         """Read the notifications that have arrived, without waiting (the relay is about to
-        look at the outbox anyway). A lost connection is handled as :meth:`wait` does."""
-        if self.wrapper is not None:
-            self.wait(0.0)
+        look at the outbox anyway). A lost connection is handled as :meth:`wait` does.
+
+        Until a read finds none: one read of psycopg's ``notifies(timeout=0)`` takes what one
+        ``recv`` returns, and behind a backlog of commits the rest would stay on the socket."""
+        for _ in range(self.DRAIN_READS):
+            if self.wrapper is None or not self.wait(0.0):
+                return
 
     def close(self) -> None:
         if self.wrapper is not None:
