@@ -9,7 +9,7 @@ The relay (``manage.py idempotency_relay``) and the worker (``celery worker``, p
 processes. The producer commits one ``outbox.publish(shop.effect, kwargs={"event_id": ...})`` per
 transaction, on a fixed schedule, at two paces:
 
-* **steady**: ``--rate`` commits a second (default 50), so a notification often arrives while
+* **steady**: ``--rate`` commits a second (default 25), so a notification often arrives while
   the relay works on the previous batch;
 * **isolated**: ``--isolated-rate`` commits a second (default 10), so the relay idles between
   two commits and every message is woken by its own ``NOTIFY``.
@@ -22,10 +22,12 @@ effect, to sent (the relay's share), and from sent to the effect (Redis and the 
 Rows take turns in ``--rounds`` rounds (the order rotating, :mod:`bench.rounds`), each round a
 share of every row's messages, with a fresh relay per row and round, so that outside load hits
 every row alike. The rows: ``apply_async_on_commit`` (no outbox: the floor), the outbox with
-``NOTIFY`` at each pace, the same relay from ``--baseline`` (a tree of an older version, e.g.
-``git archive <commit> | tar -x -C /tmp/old-tree``) at each pace, and polling alone (one-second
-poll, isolated pace: its latency is the poll interval whatever the pace). The worker is one
-for the whole run, started with ``--concurrency`` and ``--prefetch-multiplier``.
+``NOTIFY`` at each pace, the same to a consumer with ``ignore_result=True`` (the worker
+stores no result: the relay never reads one), the same relay from ``--baseline`` (a tree of an
+older version, e.g. ``git archive <commit> | tar -x -C /tmp/old-tree``) at each pace, and
+polling alone (one-second poll, isolated pace: its latency is the poll interval whatever the
+pace). The worker is one for the whole run, started with ``--concurrency`` and
+``--prefetch-multiplier``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Row:
     """The tree whose ``manage.py idempotency_relay`` runs; None: no outbox."""
     notify: bool
     paces: tuple[str, ...]
+    task: str = "effect"
+    """The consumer in ``testproject.shop.tasks`` (``effect_without_result``: no result)."""
 
 
 @dataclass
@@ -70,6 +74,8 @@ def rows_for(vendor: str, baseline: Path | None) -> list[Row]:
     rows = [Row("apply_async_on_commit", None, False, ("steady",))]
     if vendor == "postgresql":
         rows.append(Row("outbox, NOTIFY", REPO, True, ("steady", "isolated")))
+        ignoring = "effect_without_result"
+        rows.append(Row("outbox, NOTIFY, ignore_result", REPO, True, ("steady",), ignoring))
         if baseline is not None:
             label = f"outbox, NOTIFY, {baseline.name}"
             rows.append(Row(label, baseline, True, ("steady", "isolated")))
@@ -101,7 +107,7 @@ def produce(row: Row, queue_name: str, count: int, rate: float) -> dict[str, Sam
 
     from django_idempotency import new_event_id
     from django_idempotency.outbox import core as outbox
-    from testproject.shop.tasks import effect
+    from testproject.shop import tasks
 
     samples: dict[str, Sample] = {}
     started = time.monotonic()
@@ -112,22 +118,25 @@ def produce(row: Row, queue_name: str, count: int, rate: float) -> dict[str, Sam
                 time.sleep(pause)
             event_id = str(new_event_id())
             with transaction.atomic():
+                task = getattr(tasks, row.task)
                 if row.relay is None:
-                    effect.apply_async_on_commit(kwargs={"event_id": event_id}, queue=queue_name)
+                    task.apply_async_on_commit(kwargs={"event_id": event_id}, queue=queue_name)
                 else:
-                    outbox.publish(effect, kwargs={"event_id": event_id}, queue=queue_name)
+                    outbox.publish(task, kwargs={"event_id": event_id}, queue=queue_name)
             samples[event_id] = Sample(committed=time.time())
     return samples
 
 
 def collect(samples: dict[str, Sample], worker: Any, timeout: float = 120.0) -> None:
-    """Wait for every effect; fill in when each was sent and applied."""
+    """Wait for every effect (and the relay's record of every send, which may commit after the
+    worker's effect); fill in when each was sent and applied."""
     from django_idempotency.models import OutboxEntry
     from testproject.shop.models import Effect
 
     ids = list(samples)
+    unrecorded = OutboxEntry.objects.filter(event_id__in=ids, sent_at__isnull=True)
     deadline = time.monotonic() + timeout
-    while Effect.objects.filter(payload__in=ids).count() < len(ids):
+    while Effect.objects.filter(payload__in=ids).count() < len(ids) or unrecorded.exists():
         if time.monotonic() > deadline:
             raise RuntimeError(f"effects missing\n{worker.output()[-3000:]}")
         time.sleep(0.2)
@@ -138,14 +147,21 @@ def collect(samples: dict[str, Sample], worker: Any, timeout: float = 120.0) -> 
     for event_id, sent in OutboxEntry.objects.filter(event_id__in=ids).values_list(
         "event_id", "sent_at"
     ):
-        samples[str(event_id)].sent = sent.timestamp()
+        samples[str(event_id)].sent = sent.timestamp() if sent is not None else None
 
 
-def summary(samples: Sequence[Sample]) -> dict[str, Any]:
-    def ms(values: list[float], q: float) -> float | str:
-        return round(percentile(values, q) * 1000, 1) if values else "-"
+def ms(values: list[float], q: float) -> float | str:
+    return round(percentile(values, q) * 1000, 1) if values else "-"
 
-    total = [s.applied - s.committed for s in samples if s.applied is not None]
+
+def delays(samples: Sequence[Sample]) -> list[float]:
+    return [s.applied - s.committed for s in samples if s.applied is not None]
+
+
+def summary(samples: Sequence[Sample], rounds: Sequence[Sequence[Sample]]) -> dict[str, Any]:
+    """Percentiles over every message of the row; ``p99_by_round_ms``: each round's own p99
+    (a burst of outside load shows as one round apart from the others)."""
+    total = delays(samples)
     to_sent = [s.sent - s.committed for s in samples if s.sent is not None]
     to_effect = [s.applied - s.sent for s in samples if s.sent is not None and s.applied]
     return {
@@ -157,6 +173,7 @@ def summary(samples: Sequence[Sample]) -> dict[str, Any]:
         "to_sent_p50_ms": ms(to_sent, 50),
         "to_sent_p99_ms": ms(to_sent, 99),
         "sent_to_effect_p99_ms": ms(to_effect, 99),
+        "p99_by_round_ms": " ".join(str(ms(delays(values), 99)) for values in rounds),
     }
 
 
@@ -180,7 +197,7 @@ def latency(
     db_url = database_url(settings.DATABASES["default"])
     paces = {"steady": (count, rate), "isolated": (isolated_count, isolated_rate)}
     rows = rows_for(connection.vendor, baseline)
-    samples: dict[str, list[Sample]] = {}
+    samples: dict[str, list[list[Sample]]] = {}
     with queue(REDIS, "bench-latency") as name:
         worker = start_worker(
             broker_url=REDIS, queue=name, db_url=db_url, name="bench-latency", log_dir=tmp,
@@ -203,22 +220,32 @@ def latency(
                             share = max(1, total // rounds)
                             batch = produce(row, name, share, per_second)
                             collect(batch, worker)
-                            samples.setdefault(f"{row.label} ({pace})", []).extend(batch.values())
+                            label = f"{row.label} ({pace})"
+                            samples.setdefault(label, []).append(list(batch.values()))
                     finally:
                         if relay is not None:
                             relay.stop()
                     clear()
         finally:
             stop_workers([worker])
-    return {label: summary(values) for label, values in samples.items()}
+    return {
+        label: summary([sample for values in rounds_of for sample in values], rounds_of)
+        for label, rounds_of in samples.items()
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.latency", description=__doc__)
     parser.add_argument("--database-url", default=DEFAULT_DB)
-    parser.add_argument("--messages", type=int, default=1500, help="steady pace, per row")
-    parser.add_argument("--rate", type=float, default=50.0, help="steady pace: commits a second")
-    parser.add_argument("--isolated-messages", type=int, default=150, help="isolated, per row")
+    parser.add_argument("--messages", type=int, default=500, help="steady pace, per row")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=25.0,
+        help="steady pace: commits a second (at 50, a shared 2-core machine saturates: the "
+        "figures then measure the backlog, not the path)",
+    )
+    parser.add_argument("--isolated-messages", type=int, default=90, help="isolated, per row")
     parser.add_argument("--isolated-rate", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, default=None, help="an older tree's relay too")

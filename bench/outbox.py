@@ -436,8 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--messages", type=int, default=20_000, help="relay throughput")
     parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--latency-messages", type=int, default=1500, help="steady, per row")
-    parser.add_argument("--rate", type=float, default=50.0, help="latency: steady commits/s")
+    parser.add_argument("--latency-messages", type=int, default=500, help="steady, per row")
+    parser.add_argument("--rate", type=float, default=25.0, help="latency: steady commits/s")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="publish,relay,kafka,latency")
     parser.add_argument(
