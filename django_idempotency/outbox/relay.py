@@ -40,8 +40,10 @@ Waking up
 ---------
 :meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
 ``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
-and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
-costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
+and the producer's ``NOTIFY`` (sent on commit) ends the wait at once; there, a batch that saw
+everything due is followed by the wait too, since a commit made during it has notified (one
+claim per wake-up, not two). A lost notification only costs one poll interval, and a lost
+``LISTEN`` connection is opened again a few seconds later
 (:class:`~django_idempotency.outbox.store.Listener`), so a database restart leaves no relay on
 polling alone.
 
