@@ -939,9 +939,9 @@ def test_a_listening_relay_claims_once_per_notified_commit() -> None:
         claims.append(result.claimed)
         return result
 
-    def waits(*args: Any) -> None:
+    def waits(listener: Any, seconds: float) -> None:
         waiting.set()
-        wait(*args)
+        wait(listener, seconds)
 
     served.run_once = counted  # type: ignore[method-assign]
     served._wait = waits  # type: ignore[method-assign]
@@ -951,5 +951,9 @@ def test_a_listening_relay_claims_once_per_notified_commit() -> None:
         for n in range(3):
             waiting.clear()
             write(f"m{n}")
-            assert wait_for(lambda n=n: len(transport.sent) == 8 + n and waiting.is_set())
+
+            def sent_then_waiting(count: int = 8 + n) -> bool:
+                return len(transport.sent) == count and waiting.is_set()
+
+            assert wait_for(sent_then_waiting)
     assert claims == [3, 3, 1, 1, 1, 1], claims
