@@ -19,9 +19,10 @@ Three sections, each measured side by side in one run:
    batch; and the new transport alone on the same messages, in the same batches (the broker's
    share alone). Messages per second, against the targets (5,000 and 2,000), and a chart with
    ``--charts DIR``.
-3. **latency**: a relay process and a Celery worker; a producer commits messages at a steady
-   rate; the time from each COMMIT to its effect's row, p50 and p99, with NOTIFY (PostgreSQL)
-   and with polling alone (one-second poll), against ``apply_async_on_commit``.
+3. **latency**: a relay process and a Celery worker over Redis; a producer commits messages at
+   a steady pace and one at a time; the time from each COMMIT to its effect's row, p50 to p99,
+   with NOTIFY (PostgreSQL) and with polling alone, against ``apply_async_on_commit``: the
+   section is :mod:`bench.latency` (run alone, it also compares an older relay side by side).
 
 It uses the test project's settings against its own database (created and migrated here) and
 prints a JSON document and tables.
@@ -411,99 +412,6 @@ def relay_chart(relay: dict[str, Any], out: Path) -> Path:
     return path
 
 
-# --- 3. Latency from COMMIT to effect ----------------------------------------------------------
-
-
-def latency(count: int, rate: float, tmp: Path) -> dict[str, Any]:
-    from django.conf import settings
-    from django.db import connection, transaction
-    from django.test import override_settings
-    from django.utils import timezone
-
-    from django_idempotency import new_event_id
-    from django_idempotency.models import OutboxEntry
-    from django_idempotency.outbox import core as outbox
-    from testproject.shop.models import Effect
-    from testproject.shop.tasks import effect
-    from tests.outbox_helpers import celery_transports, start_relay
-    from tests.workers import database_url, start_worker, stop_workers, wait_ready
-
-    db_url = database_url(settings.DATABASES["default"])
-    results: dict[str, Any] = {}
-    with queue(REDIS, "bench-latency") as name:
-        worker = start_worker(
-            broker_url=REDIS, queue=name, db_url=db_url, name="bench-latency", log_dir=tmp,
-            concurrency=2,
-        )  # fmt: skip
-        wait_ready([worker])
-        modes: list[tuple[str, bool | None]] = [("apply_async_on_commit", None)]
-        if connection.vendor == "postgresql":
-            modes.append(("outbox, NOTIFY + 1 s poll", True))
-        modes.append(("outbox, 1 s poll only", False))
-        try:
-            for label, notify in modes:
-                relay = None
-                if notify is not None:
-                    relay = start_relay(
-                        "--poll-interval", "1", db_url=db_url,
-                        transports=celery_transports(REDIS), log=tmp / f"relay-{notify}.log",
-                        broker_url=REDIS,
-                    )  # fmt: skip
-                    deadline = time.monotonic() + 60
-                    while "outbox relay started" not in relay.output():
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"relay did not start:\n{relay.output()}")
-                        time.sleep(0.1)
-                    time.sleep(1)  # past Django's start-up: LISTEN is issued
-                committed: dict[str, float] = {}
-                with override_settings(IDEMPOTENCY={"OUTBOX_NOTIFY": bool(notify)}):
-                    for _ in range(count):
-                        event_id = str(new_event_id())
-                        with transaction.atomic():
-                            if notify is None:
-                                effect.apply_async_on_commit(
-                                    kwargs={"event_id": event_id}, queue=name
-                                )
-                            else:
-                                outbox.publish(effect, kwargs={"event_id": event_id}, queue=name)
-                        committed[event_id] = timezone.now().timestamp()
-                        time.sleep(1 / rate)
-                deadline = time.monotonic() + 120
-                while Effect.objects.filter(payload__in=list(committed)).count() < count:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{label}: effects missing\n{worker.output()[-3000:]}")
-                    time.sleep(0.2)
-                if relay is not None:
-                    relay.stop()
-                done = dict(
-                    Effect.objects.filter(payload__in=list(committed)).values_list(
-                        "payload", "created_at"
-                    )
-                )
-                values = [(done[e].timestamp() - t) * 1000 for e, t in committed.items()]
-                # The relay's share: COMMIT to the broker's acknowledgement (marked sent).
-                sent = dict(
-                    OutboxEntry.objects.filter(event_id__in=list(committed)).values_list(
-                        "event_id", "sent_at"
-                    )
-                )
-                relayed = [
-                    (sent[e].timestamp() - t) * 1000 for e, t in committed.items() if e in sent
-                ]
-                results[label] = {
-                    "messages": count,
-                    "p50_ms": round(percentile(values, 50), 1),
-                    "p99_ms": round(percentile(values, 99), 1),
-                    "max_ms": round(max(values), 1),
-                    "to_sent_p50_ms": round(percentile(relayed, 50), 1) if relayed else "-",
-                    "to_sent_p99_ms": round(percentile(relayed, 99), 1) if relayed else "-",
-                }
-                clear()
-        finally:
-            stop_workers([worker])
-    return results
-
-
 # --- The run -----------------------------------------------------------------------------------
 
 
@@ -528,13 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds")
     parser.add_argument("--messages", type=int, default=20_000, help="relay throughput")
     parser.add_argument("--batch-size", type=int, default=500)
-    parser.add_argument("--latency-messages", type=int, default=150)
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=5.0,
-        help="latency: commits per second; low enough that the relay idles between them",
-    )
+    parser.add_argument("--latency-messages", type=int, default=500, help="steady, per row")
+    parser.add_argument("--rate", type=float, default=25.0, help="latency: steady commits/s")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="publish,relay,kafka,latency")
     parser.add_argument(
@@ -543,7 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", default="", help="also write the JSON document here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.transactions, args.rounds, args.messages, args.latency_messages = 60, 2, 500, 20
+        args.transactions, args.rounds, args.messages, args.latency_messages = 60, 2, 500, 40
     sys.path.insert(0, str(REPO))
     setup(args.database_url)
     from django.db import connection
@@ -559,7 +462,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "kafka" in sections:
             results["kafka"] = kafka_throughput(args.messages, args.batch_size)
         if "latency" in sections:
-            results["latency"] = latency(args.latency_messages, args.rate, Path(tmp))
+            from bench.latency import latency
+
+            results["latency"] = latency(
+                count=args.latency_messages,
+                rate=args.rate,
+                isolated_count=max(10, args.latency_messages // 10),
+                rounds=min(args.rounds, 3),
+                tmp=Path(tmp),
+            )
     print(json.dumps(results, indent=2))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -568,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "publish": "What a transaction costs (one Order insert, then the event)",
         "relay": f"Relay throughput (one relay, batches of {args.batch_size})",
         "kafka": f"Kafka transport throughput (batches of {args.batch_size})",
-        "latency": f"COMMIT to effect (a Celery worker, {args.rate:g} commits/s)",
+        "latency": f"COMMIT to effect (a Celery worker; steady: {args.rate:g} commits/s)",
     }
     for name, title in titles.items():
         if name in results:

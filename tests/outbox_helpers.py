@@ -57,7 +57,13 @@ class Process:
 
 
 def start(
-    command: list[str], *, db_url: str, env: Mapping[str, str], log: Path, broker_url: str
+    command: list[str],
+    *,
+    db_url: str,
+    env: Mapping[str, str],
+    log: Path,
+    broker_url: str,
+    cwd: Path = REPO,
 ) -> Process:
     full_env = {
         **os.environ,
@@ -71,7 +77,7 @@ def start(
     with log.open("wb") as out:
         process = subprocess.Popen(
             command,
-            cwd=REPO,
+            cwd=cwd,
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -80,14 +86,23 @@ def start(
     return Process(process, log)
 
 
-def start_relay(*args: str, db_url: str, transports: str, log: Path, broker_url: str) -> Process:
-    """``manage.py idempotency_relay ARGS`` with the given transports."""
+def start_relay(
+    *args: str,
+    db_url: str,
+    transports: str,
+    log: Path,
+    broker_url: str,
+    cwd: Path = REPO,
+    env: Mapping[str, str] | None = None,
+) -> Process:
+    """``manage.py idempotency_relay ARGS`` with the given transports, from the tree ``cwd``."""
     return start(
         [sys.executable, "manage.py", "idempotency_relay", *args],
         db_url=db_url,
-        env={"IDEMPOTENCY_OUTBOX_TRANSPORTS": transports},
+        env={"IDEMPOTENCY_OUTBOX_TRANSPORTS": transports, **(env or {})},
         log=log,
         broker_url=broker_url,
+        cwd=cwd,
     )
 
 

@@ -958,3 +958,44 @@ def test_drain_reads_every_notification_waiting_not_one_socket_read() -> None:
         assert not listener.wait(0.0), "drain() left notifications unread"
     finally:
         listener.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_listening_relay_claims_once_per_notified_commit() -> None:
+    """Regression (issue 28, COMMIT to effect p99): after every batch that sent something, a
+    relay that listens claimed again at once, although a commit made meanwhile wakes it anyway:
+    every other claim found nothing. Under a steady trickle of commits that doubled the claims
+    (a transaction each, with the CPU they take from the worker on a small host). A batch that
+    saw everything due now goes to the wait; a full batch still goes on at once."""
+    write(*[f"backlog-{n}" for n in range(7)])  # committed before it listens: no notification
+    transport = RecordingTransport()
+    served = relay(transport, batch_size=3)
+    claims: list[int] = []
+    waiting = threading.Event()
+    run_once, wait = served.run_once, served._wait
+
+    def counted() -> BatchResult:
+        waiting.clear()
+        result = run_once()
+        claims.append(result.claimed)
+        return result
+
+    def waits(listener: Any, seconds: float) -> None:
+        waiting.set()
+        wait(listener, seconds)
+
+    served.run_once = counted  # type: ignore[method-assign]
+    served._wait = waits  # type: ignore[method-assign]
+    with serving(served):
+        assert wait_for(waiting.is_set), "the relay never waited"
+        assert len(transport.sent) == 7, "full batches must be followed by another at once"
+        for n in range(3):
+            waiting.clear()
+            write(f"m{n}")
+
+            def sent_then_waiting(count: int = 8 + n) -> bool:
+                return len(transport.sent) == count and waiting.is_set()
+
+            assert wait_for(sent_then_waiting)
+    assert claims == [3, 3, 1, 1, 1, 1], claims

@@ -40,8 +40,10 @@ Waking up
 ---------
 :meth:`Relay.serve` loops: a batch, and when there was nothing to send, a wait of
 ``poll_interval`` seconds. On PostgreSQL it also listens (``LISTEN``) on the outbox channel,
-and the producer's ``NOTIFY`` (sent on commit) ends the wait at once. A lost notification only
-costs one poll interval, and a lost ``LISTEN`` connection is opened again a few seconds later
+and the producer's ``NOTIFY`` (sent on commit) ends the wait at once; there, a batch that saw
+everything due is followed by the wait too, since a commit made during it has notified (one
+claim per wake-up, not two). A lost notification only costs one poll interval, and a lost
+``LISTEN`` connection is opened again a few seconds later
 (:class:`~django_idempotency.outbox.store.Listener`), so a database restart leaves no relay on
 polling alone.
 
@@ -140,7 +142,8 @@ class Relay:
         self.listener: store.Listener | None = None
         """The ``LISTEN`` connection while :meth:`serve` runs (PostgreSQL)."""
         self._left_behind = False
-        """Whether the last claim left due rows for the next batch (it sent a suspect alone)."""
+        """Whether the last claim left due rows for the next batch (it sent a suspect alone, or
+        its candidates filled the batch, so more may be due behind them)."""
 
     # --- One batch ----------------------------------------------------------------------------
 
@@ -170,14 +173,21 @@ class Relay:
                 break
         return total
 
-    def _more_due(self, result: BatchResult) -> bool:
-        """Whether another batch may find something due at once."""
-        return bool(
-            result.sent
-            or result.parked
-            or result.claimed >= self.batch_size
-            or (result.claimed and self._left_behind)
-        )
+    def _more_due(self, result: BatchResult, listening: bool = False) -> bool:
+        """Whether another batch may find something due at once.
+
+        ``listening``: a ``LISTEN`` connection is open, so a message committed since the last
+        claim has queued a notification, and the wait after this batch ends at once. Then only
+        what this claim saw left behind (a full batch, rows held back for a suspect, rows it
+        parked) calls for another batch; a batch that sent a few messages does not, since
+        looking again would cost a claim (two statements and a commit) for every wake-up,
+        while the commits that did happen meanwhile wake the relay anyway.
+        """
+        if result.parked or result.claimed >= self.batch_size:
+            return True
+        if result.claimed and self._left_behind:
+            return True
+        return bool(result.sent) and not listening
 
     def _claim(self, result: BatchResult | None = None) -> list[OutboxEntry]:
         connection = connections[self.using]
@@ -187,8 +197,10 @@ class Relay:
             candidates = store.candidates(self.using, now, self.batch_size)
             if not candidates:
                 return []
+            full = len(candidates) >= self.batch_size
             candidates = self._park_lost(candidates, result)
             chosen = self._choose(candidates)
+            self._left_behind = self._left_behind or full
             if chosen:
                 store.lease(self.using, [row.pk for row in chosen], now + self.lease)
         for row in chosen:
@@ -401,7 +413,9 @@ class Relay:
         """Send until :meth:`stop` is called; returns the totals.
 
         After a batch that sent something it goes on at once; when nothing was due it waits
-        ``poll_interval`` seconds, or until a ``NOTIFY`` on PostgreSQL. A database error is
+        ``poll_interval`` seconds, or until a ``NOTIFY`` on PostgreSQL. While it listens, a batch
+        that saw everything due (fewer candidates than ``batch_size``) is followed by the wait
+        too: a commit made meanwhile has notified, and ends it at once. A database error is
         logged, the connection closed, and the loop goes on after a wait.
         """
         total = BatchResult()
@@ -429,7 +443,7 @@ class Relay:
                 total.add(result)
                 if on_batch is not None and result.claimed:
                     on_batch(result)
-                if self._more_due(result):
+                if self._more_due(result, listener is not None and listener.listening):
                     continue
                 self._wait(listener, poll_interval)
         finally:

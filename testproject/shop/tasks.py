@@ -98,6 +98,16 @@ def effect(self: IdempotentConsumer, event_id: str | None = None, sleep: float =
     return "applied"
 
 
+@shared_task(
+    base=IdempotentConsumer, bind=True, name="shop.effect_without_result", ignore_result=True
+)
+def effect_without_result(self: IdempotentConsumer, event_id: str | None = None) -> str:
+    """``shop.effect`` with no result stored (bench/latency.py: a result nobody reads costs the
+    worker a write to the result backend per task)."""
+    _effect(self)
+    return "applied"
+
+
 @shared_task(base=IdempotentConsumer, bind=True, name="shop.effect_audit", consumer="shop.audit")
 def effect_audit(self: IdempotentConsumer, event_id: str | None = None) -> str:
     """A second consumer of the same events, under its own consumer name."""
