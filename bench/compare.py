@@ -14,7 +14,7 @@ interquartile range as a share of its median). The same ratio is taken again on 
 to the baseline row of its own process and round (the bare view, the effect alone), where
 outside load cancels out. A row is "slower beyond noise" when its ratio exceeds 1 by more than
 the larger of the two noises, or when it lost against the baseline row in 3 rounds of 4 (the
-lower quartile of those per-round ratios above 1).
+lower quartile of those per-round ratios above 1, from 5 rounds on).
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from bench.servers import (
 
 COMPARE_SECTIONS = ("micro", "consumer")
 DATABASES = {"base": "idempotency_bench_compare_base", "this": "idempotency_bench_compare_this"}
+QUARTILE_ROUNDS = 5
+"""Rounds from which a lower quartile of per-round ratios above 1 counts as slower."""
 Measures = dict[str, dict[str, float]]
 """row -> {"us": wall µs per call, "cpu": CPU µs per call, "rel": us / the baseline row's}."""
 
@@ -137,7 +139,7 @@ def summarise(rounds: dict[str, list[Measures]]) -> list[dict[str, Any]]:
             entry["this_rel"] = round(statistics.median(t["rel"]), 3)
             entry["rel_ratio"] = median_ratio(t["rel"], b["rel"])
             entry["rel_ratio_iqr"] = [round(low, 3), round(high, 3)]
-            entry["slower_beyond_noise"] |= low > 1
+            entry["slower_beyond_noise"] |= len(rel) >= QUARTILE_ROUNDS and low > 1
         out.append(entry)
     return out
 
