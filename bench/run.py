@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.compare import COMPARE_SECTIONS, compare_main
 from bench.httpbench import ROWS, run_http, run_race
 from bench.microrun import MICRO_BACKENDS, micro_tables, run_micro
 from bench.servers import (
@@ -397,8 +398,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="where the SVG charts go (empty: none); default %(default)s",
     )
     parser.add_argument("--quick", action="store_true", help="tiny run to check it works")
-    parser.add_argument("--output", default=str(RESULTS / "results.json"))
+    parser.add_argument(
+        "--compare-with",
+        metavar="PATH",
+        help="another checkout (e.g. before a change): its micro (PostgreSQL) and consumer"
+        " sections against this one's, one process per checkout per round (bench/compare.py)",
+    )
+    parser.add_argument(
+        "--output", help="default bench/results/results.json (compare.json with --compare-with)"
+    )
     args = parser.parse_args(argv)
+    if not args.output:
+        args.output = str(RESULTS / ("compare.json" if args.compare_with else "results.json"))
     if args.quick:
         args.rounds, args.seconds, args.warmup, args.events = 1, 1.0, 0.3, 50
         args.micro_requests, args.micro_rounds = 20, 1
@@ -413,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown section or variant: {sorted(unknown)}")
     clients = [int(c) for c in args.clients.split(",")]
+    if args.compare_with:
+        sections = [s for s in sections if s in COMPARE_SECTIONS]
+        return compare_main(args, sections, machine(), log)
     started = time.monotonic()
     problems: list[str] = []
     results: dict[str, Any] = {

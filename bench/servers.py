@@ -43,14 +43,17 @@ def postgres_version() -> str:
     return str(row[0])
 
 
-def variant_env(variant: str, database: str, **extra: str) -> dict[str, str]:
+def variant_env(
+    variant: str, database: str, checkout: Path = REPO, **extra: str
+) -> dict[str, str]:
+    """The environment of a benchmark process: ``checkout``'s bench/ and package imported."""
     env = dict(os.environ)
     env.update(
         {
             "DJANGO_SETTINGS_MODULE": "bench.benchproject.settings",
             "BENCH_VARIANT": variant,
             "BENCH_DATABASE_URL": database_url(database),
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": str(checkout),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
     )
@@ -63,16 +66,25 @@ def prepare(variant: str, database: str) -> None:
     prepare_url(database_url(database), variant)
 
 
-def prepare_url(url: str, variant: str = "app") -> None:
-    """Migrate the database at ``url`` (any backend) for ``variant`` and create its user."""
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.benchproject.prepare"],
-        env=variant_env(variant, "", BENCH_DATABASE_URL=url),
-        cwd=REPO,
+def run_python(
+    args: list[str], env: dict[str, str], checkout: Path = REPO, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """``python args`` in ``checkout`` (this interpreter), its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
+        env=env,
+        cwd=checkout,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
+
+
+def prepare_url(url: str, variant: str = "app", checkout: Path = REPO) -> None:
+    """Migrate the database at ``url`` (any backend) for ``variant`` and create its user, with
+    the migrations of ``checkout`` (another checkout's, for ``python -m bench --compare-with``)."""
+    env = variant_env(variant, "", checkout, BENCH_DATABASE_URL=url)
+    done = run_python(["-m", "bench.benchproject.prepare"], env, checkout)
     if done.returncode:
         raise RuntimeError(f"preparing {variant} failed:\n{done.stderr.strip()}")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import micro, microrun, run
+from bench import compare, micro, microrun, run
 from bench.loadgen import Target, race, run_load
 
 pytestmark = pytest.mark.sqlite  # no database of the suite is used; once per run is enough
@@ -234,3 +234,24 @@ def test_report_renders_targets_from_figures() -> None:
     assert by_name["replay p50 below the bare view's (HTTP, 8 clients)"]["met"] is None
     table = run.tables({"http": results["http"], "targets": run.targets(results)})
     assert "| this app, first execution | 8 | 100 | 2.00 | 4.00 | 1.50x (bare) |  |" in table
+
+
+def test_compare_flags_only_a_slowdown_beyond_the_rounds_noise() -> None:
+    def rounds(us: list[float]) -> list[dict[str, dict[str, float]]]:
+        bare = {"us": 100.0, "cpu": 90.0, "rel": 1.0}
+        return [{"bare": bare, "app": {"us": u, "cpu": u, "rel": u / 100}} for u in us]
+
+    base = rounds([200.0, 210.0, 190.0, 205.0, 195.0])
+    steady = compare.summarise({"base": base, "this": rounds([202.0, 208.0, 193.0, 204.0, 197.0])})
+    slower = compare.summarise({"base": base, "this": rounds([260.0, 270.0, 250.0, 265.0, 255.0])})
+
+    by_row = {r["row"]: r for r in steady}
+    assert by_row["bare"]["ratio"] == 1.0 and not by_row["bare"]["slower_beyond_noise"]
+    assert not by_row["app"]["slower_beyond_noise"]
+    assert by_row["app"]["rounds_slower"] == 3
+    app = {r["row"]: r for r in slower}["app"]
+    assert app["slower_beyond_noise"] and app["rounds_slower"] == 5
+    assert app["ratio"] == app["rel_ratio"] == 1.3
+    table = compare.compare_table({"checkouts": {"base": "old", "this": "new"}, "micro": slower})
+    assert "| micro | app | 200 | 260 | 1.300 **slower beyond noise** | 1.29-1.32 | 5/5 |" in table
+    assert "| 2.00 / 2.60 | 1.300 (1.29-1.31) |" in table
