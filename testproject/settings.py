@@ -24,6 +24,7 @@ Configured from the environment with django-environ:
 from __future__ import annotations
 
 import json
+import sys
 from datetime import timedelta
 from importlib.util import find_spec
 from pathlib import Path
@@ -115,6 +116,22 @@ DATABASES["other"] = {
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS: list[dict[str, str]] = []
+# Django's default hashers, and MD5 last, so that every process of a test run (gunicorn, Celery
+# and Kafka workers started by the tests) can check the passwords the tests set. Under pytest
+# MD5 comes first: PBKDF2's 1,000,000 iterations cost about 0.3 s of CPU for each password set
+# or checked, and the admin and DRF tests (basic authentication on every request) set and check
+# hundreds (tests/test_admin.py and tests/test_http_drf.py: 37 s of CPU, 2026-12-01). Never do
+# this in a real project: MD5 is fit only for test passwords.
+PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+    "django.contrib.auth.hashers.PBKDF2SHA1PasswordHasher",
+    "django.contrib.auth.hashers.Argon2PasswordHasher",
+    "django.contrib.auth.hashers.BCryptSHA256PasswordHasher",
+    "django.contrib.auth.hashers.ScryptPasswordHasher",
+    "django.contrib.auth.hashers.MD5PasswordHasher",
+]
+if "pytest" in sys.modules:
+    PASSWORD_HASHERS.insert(0, PASSWORD_HASHERS.pop())
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
