@@ -216,6 +216,9 @@ class OutboxEntry(models.Model):
         PENDING = "pending", _("pending")
         SENT = "sent", _("sent")
         PARKED = "parked", _("parked")
+        #: Written for a change-capture reader (Debezium) that reads the table's log; the relay
+        #: never claims it, and it expires ``OUTBOX_TTL`` after it was written.
+        EXTERNAL = "external", _("read from the log")
 
     event_id = models.CharField(_("event id"), max_length=255)
     destination = models.CharField(
@@ -259,7 +262,10 @@ class OutboxEntry(models.Model):
         _("expires"),
         null=True,
         blank=True,
-        help_text=_("Set when sent (sent + OUTBOX_TTL); pending and parked rows never expire."),
+        help_text=_(
+            "Set when sent (sent + OUTBOX_TTL), or when written for a change-capture reader "
+            "(written + OUTBOX_TTL); pending and parked rows never expire."
+        ),
     )
 
     objects = OutboxEntryQuerySet.as_manager()

@@ -166,3 +166,130 @@ def test_outbox_rows_reach_the_change_stream_in_commit_order(logical_server: str
     assert "event_id[character varying]:'" in first
     assert "destination[character varying]:'orders.b'" in first
     assert "ordering_key[character varying]:'order-2'" in first
+
+
+#: One transaction writes a message for the relay and one for the change-capture connector, a
+#: second writes another for the connector; then the purge deletes the connector's rows.
+CAPTURE_PRODUCER = textwrap.dedent(
+    """
+    import django
+    django.setup()
+    from django.core.management import call_command
+    from django.db import transaction
+    from django.utils import timezone
+    from django_idempotency import outbox
+    from django_idempotency.models import OutboxEntry
+
+    with transaction.atomic():
+        outbox.send("orders.relayed", {"n": 0}, key="order-1")
+        outbox.send("orders.captured", {"n": 1}, key="order-1", transport="cdc")
+    with transaction.atomic():
+        outbox.send("orders.captured", {"n": 2}, key="order-1", transport="cdc")
+    OutboxEntry.objects.filter(transport="cdc").update(expires_at=timezone.now())
+    call_command("idempotency_purge", verbosity=0)
+    assert not OutboxEntry.objects.filter(transport="cdc").exists()
+    """
+)
+
+
+def _pgoutput_inserts(messages: list[bytes]) -> list[list[dict[str, str | None]]]:
+    """The inserted rows of a ``pgoutput`` (protocol 1) stream, one list per transaction: a
+    minimal reader of its Begin, Relation, Insert and Commit messages, as Debezium reads them."""
+    relations: dict[int, list[str]] = {}
+    transactions: list[list[dict[str, str | None]]] = []
+    for data in messages:
+        kind, body = data[:1], data[1:]
+        if kind == b"B":
+            transactions.append([])
+        elif kind == b"R":
+            rel_id = int.from_bytes(body[:4], "big")
+            at = body.index(b"\0", 4) + 1  # namespace
+            at = body.index(b"\0", at) + 1  # table name
+            at += 1  # replica identity
+            count = int.from_bytes(body[at : at + 2], "big")
+            at += 2
+            names = []
+            for _ in range(count):
+                end = body.index(b"\0", at + 1)
+                names.append(body[at + 1 : end].decode())
+                at = end + 1 + 8  # type oid and modifier
+            relations[rel_id] = names
+        elif kind == b"I":
+            rel_id = int.from_bytes(body[:4], "big")
+            assert body[4:5] == b"N"
+            count, at = int.from_bytes(body[5:7], "big"), 7
+            row: dict[str, str | None] = {}
+            for name in relations[rel_id][:count]:
+                flag = body[at : at + 1]
+                at += 1
+                if flag == b"t":
+                    size = int.from_bytes(body[at : at + 4], "big")
+                    row[name] = body[at + 4 : at + 4 + size].decode()
+                    at += 4 + size
+                else:
+                    row[name] = None
+            transactions[-1].append(row)
+        elif kind in (b"U", b"D", b"T"):
+            raise AssertionError(f"the publication streamed a {kind!r} message")
+    return [rows for rows in transactions if rows]
+
+
+def test_a_publication_filtered_on_the_capture_transport_streams_only_its_inserts(
+    logical_server: str,
+) -> None:
+    """docs/scale.md's publication, read through ``pgoutput`` as Debezium reads it: only the
+    change-capture transport's rows, written ``external`` with their expiry, and not the purge's
+    deletes of them (nor the relay's rows)."""
+    import psycopg
+
+    env = {
+        **os.environ,
+        "DATABASE_URL": logical_server,
+        "DJANGO_SETTINGS_MODULE": "testproject.settings",
+        "PYTHONPATH": str(ROOT),
+        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(
+            {
+                **NULL_TRANSPORTS,
+                "cdc": {"BACKEND": "django_idempotency.outbox.capture.ChangeCaptureTransport"},
+            }
+        ),
+    }
+    migrate = [sys.executable, "manage.py", "migrate", "-v", "0", "django_idempotency"]
+    subprocess.run(migrate, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    with psycopg.connect(logical_server, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE PUBLICATION idem_cdc FOR TABLE {TABLE} "
+            "WHERE (transport = 'cdc') WITH (publish = 'insert')"
+        )
+        conn.execute("SELECT pg_create_logical_replication_slot('idem_cdc', 'pgoutput')")
+
+    done = subprocess.run(
+        [sys.executable, "-c", CAPTURE_PRODUCER], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+    with psycopg.connect(logical_server, autocommit=True) as conn:
+        messages = [
+            bytes(row[0])
+            for row in conn.execute(
+                "SELECT data FROM pg_logical_slot_get_binary_changes('idem_cdc', NULL, NULL, "
+                "'proto_version', '1', 'publication_names', 'idem_cdc')"
+            )
+        ]
+        conn.execute("SELECT pg_drop_replication_slot('idem_cdc')")
+
+    transactions = _pgoutput_inserts(messages)
+    assert [[json.loads(row["payload"] or "")["n"] for row in rows] for rows in transactions] == [
+        [1],
+        [2],
+    ]
+    for rows in transactions:
+        (row,) = rows
+        assert (row["destination"], row["state"], row["transport"]) == (
+            "orders.captured",
+            "external",
+            "cdc",
+        )
+        assert row["expires_at"] is not None
+        for column in ROUTER_COLUMNS:
+            assert row[column] is not None, column

@@ -22,6 +22,10 @@ least once, and the consumer's processed events turn that into exactly one effec
 
 On PostgreSQL the insert also queues a ``NOTIFY`` on the relay's channel, in the same statement
 and the same transaction, so a waiting relay wakes when the transaction commits (and only then).
+
+A message for a :class:`~django_idempotency.outbox.capture.ChangeCaptureTransport` is written for
+a change-capture reader such as Debezium instead: in the ``external`` state, which no relay
+claims, expiring ``OUTBOX_TTL`` after it was written, without a ``NOTIFY``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from django_idempotency.events.core import (
 )
 from django_idempotency.exceptions import log_text
 from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox.capture import is_change_capture
 from django_idempotency.outbox.store import NOTIFY_CHANNEL
 from django_idempotency.outbox.transports import celery_envelope, get_transport
 
@@ -95,8 +100,23 @@ def publish(
     :raises TransactionManagementError: outside ``transaction.atomic`` on that database.
     :raises TypeError: arguments that do not fit the task, a string ``args``, or a value that
         is not JSON.
+    :raises ValueError: ``transport`` is a change-capture transport, which no relay sends
+        through: a change-capture connector would route the task call to a topic named after
+        the task.
     """
     name = task if isinstance(task, str) else str(task.name)
+    configured = conf.OUTBOX_TRANSPORTS
+    if (
+        isinstance(transport, str)
+        and transport in configured
+        and is_change_capture(configured[transport]["BACKEND"])
+    ):
+        raise ValueError(
+            f"outbox.publish() writes a Celery task call for the relay to send, but transport "
+            f"{transport!r} is a ChangeCaptureTransport: no relay sends its messages, and the "
+            "change-capture connector would route the call to a topic named after the task. "
+            "Publish through a CeleryTransport, or write topic messages with outbox.send()."
+        )
     if isinstance(args, (str, bytes)) or not isinstance(args, (Sequence, type(None))):
         # list("ab") is ["a", "b"]: a string was stored as one argument per character.
         raise TypeError(f"args must be a list or tuple of arguments, not {args!r:.100}.")
@@ -166,6 +186,10 @@ def send(
             "Store a large document elsewhere and send its reference."
         )
     _validate(transport, destination, payload, headers_value)
+    # A change-capture reader (Debezium) has the row from the log once it commits: no relay
+    # claims it, and it expires as a sent message does.
+    captured = is_change_capture(conf.OUTBOX_TRANSPORTS[transport]["BACKEND"])
+    created_at = timezone.now()
     values = {
         "event_id": event,
         "destination": destination,
@@ -174,10 +198,11 @@ def send(
         "payload": Value(None, JSONField()) if payload is None else payload,
         "headers": headers_value,
         "ordering_key": None if key is None else _name("ordering key", key),
-        "state": OutboxEntry.State.PENDING,
+        "state": OutboxEntry.State.EXTERNAL if captured else OutboxEntry.State.PENDING,
         "attempts": 0,
         "last_error": "",
-        "created_at": timezone.now(),
+        "created_at": created_at,
+        "expires_at": created_at + conf.OUTBOX_TTL if captured else None,
     }
     fields = {field.name: field for field in OutboxEntry._meta.concrete_fields}
     quote = connection.ops.quote_name
@@ -187,7 +212,7 @@ def send(
     ]
     placeholders = ", ".join(["%s"] * len(params))
     table = quote(OutboxEntry._meta.db_table)
-    if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY:
+    if connection.vendor == "postgresql" and conf.OUTBOX_NOTIFY and not captured:
         # One statement: the row, and a notification delivered when (and if) it commits.
         # PostgreSQL folds identical notifications of one transaction into one.
         sql = f"INSERT INTO {table} ({columns}) SELECT {placeholders} FROM pg_notify(%s, '')"
