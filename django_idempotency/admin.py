@@ -711,7 +711,10 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
 
     @admin.display(description=_("lag"))
     def lag(self, obj: OutboxEntry) -> str:
-        """Pending or parked: how long it has waited. Sent: how long it took."""
+        """Pending or parked: how long it has waited. Sent: how long it took. Read from the
+        log: nothing this table knows (the connector's own lag is the figure)."""
+        if obj.state == OutboxEntry.State.EXTERNAL:
+            return "-"
         end = obj.sent_at if obj.sent_at is not None else timezone.now()
         return f"{max((end - obj.created_at).total_seconds(), 0.0):.1f} s"
 

@@ -178,3 +178,13 @@ def test_the_scale_guide_block_writes_an_external_row() -> None:
         exec("from django.db import transaction" + code_part, {})
     row = OutboxEntry.objects.get()
     assert (row.transport, row.state, row.payload) == ("cdc", "external", {"order_id": 42})
+
+
+def test_the_admin_shows_no_lag_for_it() -> None:
+    from django.contrib.admin.sites import site
+
+    with transaction.atomic():
+        outbox.send("orders.confirmed", {"n": 1}, transport="cdc")
+    OutboxEntry.objects.update(created_at=timezone.now() - timedelta(hours=5))
+    model_admin = site._registry[OutboxEntry]
+    assert model_admin.lag(OutboxEntry.objects.get()) == "-"  # type: ignore[attr-defined]
