@@ -58,6 +58,7 @@ from django_idempotency import telemetry
 from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
+from django_idempotency.outbox.saferepr import task_repr
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -506,8 +507,6 @@ class CeleryTransport:
         broker's ``expiration``, ``create_task_message``. The app settings it reads are read
         once per call (:class:`_AppSettings`): each read costs more than the rest of a message.
         """
-        from celery.utils.saferepr import saferepr
-
         args, kwargs, given = _envelope_parts(message.destination, message.payload)
         name = message.destination
         options: dict[str, Any] = {
@@ -548,10 +547,8 @@ class CeleryTransport:
             soft_time_limit=soft_time_limit,
             create_sent_event=settings.sent_event,
             # What create_task_message computes itself, with the same settings, read once.
-            argsrepr=saferepr(args or (), settings.argsrepr_size, maxlevels=settings.repr_levels),
-            kwargsrepr=saferepr(
-                kwargs or {}, settings.kwargsrepr_size, maxlevels=settings.repr_levels
-            ),
+            argsrepr=task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
+            kwargsrepr=task_repr(kwargs or {}, settings.kwargsrepr_size, settings.repr_levels),
             ignore_result=ignore_result,
             **options,
         )

@@ -1,0 +1,50 @@
+"""Celery's ``saferepr`` of a task's arguments, the same string in a twentieth of the time.
+
+A task message carries ``argsrepr`` and ``kwargsrepr`` headers, which Celery computes with
+``celery.utils.saferepr.saferepr``: a ``repr`` bounded in length and depth. For the small JSON
+arguments an outbox message usually carries, it cost about 17 µs a call, two calls a message:
+a tenth of what the relay spent on a message sent to Redis (``python -m bench.outbox``). Where
+the value is plain (JSON scalars, printable ASCII strings without quotes or backslashes, within
+the depth), ``saferepr`` returns exactly ``repr``; :func:`task_repr` takes that path then and
+calls ``saferepr`` for everything else. ``tests/test_outbox_saferepr.py`` compares the two on
+generated values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["task_repr"]
+
+
+def task_repr(value: Any, maxsize: int, maxlevels: int) -> str:
+    """``saferepr(value, maxsize, maxlevels=maxlevels)``, the same string."""
+    if _plain(value, maxlevels):
+        text = repr(value)
+        if len(text) < maxsize:
+            return text
+    from celery.utils.saferepr import saferepr
+
+    return saferepr(value, maxsize, maxlevels=maxlevels)
+
+
+def _plain(value: Any, levels: int) -> bool:
+    """Whether ``saferepr`` of ``value`` is its ``repr`` (given the length fits)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    if isinstance(value, str):
+        return _plain_text(value)
+    if levels <= 0:
+        return False
+    if type(value) is list or type(value) is tuple:  # a tuple: send_task's empty args
+        return all(_plain(item, levels - 1) for item in value)
+    if type(value) is dict:
+        return all(
+            isinstance(key, str) and _plain_text(key) and _plain(item, levels - 1)
+            for key, item in value.items()
+        )
+    return False
+
+
+def _plain_text(text: str) -> bool:
+    return text.isascii() and text.isprintable() and "\\" not in text and "'" not in text

@@ -1,0 +1,55 @@
+"""``task_repr`` is Celery's ``saferepr``, the same string: on generated JSON values (plain and
+not), at every size and depth bound, and on the values where ``repr`` and ``saferepr`` part."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from celery.utils.saferepr import saferepr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from django_idempotency.outbox.saferepr import task_repr
+
+TEXT = st.text(alphabet=st.characters(max_codepoint=0x7F) | st.characters(), max_size=8)
+JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=10**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | TEXT
+    | st.text(alphabet="ab'\" \\", min_size=30, max_size=300),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(TEXT, inner, max_size=5),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    value=st.lists(JSON, max_size=4)
+    | st.lists(JSON, max_size=3).map(tuple)
+    | st.dictionaries(TEXT, JSON, max_size=4),
+    maxsize=st.integers(10, 1024),
+    maxlevels=st.integers(0, 4),
+)
+def test_task_repr_is_saferepr(value: Any, maxsize: int, maxlevels: int) -> None:
+    assert task_repr(value, maxsize, maxlevels) == saferepr(value, maxsize, maxlevels=maxlevels)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [{"k\u00e9y": 1}],  # a non-ASCII key: saferepr leaves it unescaped
+        [{"a\\b": None}],  # a backslash: repr doubles it
+        [None, "'"],  # a quote: repr switches to double quotes
+        [[[[1]]]],  # deeper than the bound: saferepr elides it
+        ["x" * 2000],  # longer than the bound: saferepr cuts it
+        (),  # send_task's empty args
+        (1,),
+        {},
+    ],
+)
+def test_task_repr_where_repr_and_saferepr_part(value: Any) -> None:
+    assert task_repr(value, 1024, 3) == saferepr(value, 1024, maxlevels=3)
