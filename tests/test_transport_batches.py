@@ -22,9 +22,7 @@ from typing import Any
 
 import pytest
 from amqp.exceptions import MessageNacked
-from celery import Celery
 from django.db import connection, transaction
-from django.utils import timezone
 from kombu import Connection, Queue
 
 from django_idempotency.events.core import new_event_id
@@ -32,6 +30,7 @@ from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage,
 from tests.conftest import require_service
 from tests.servers import free_port
 from tests.services import ADDRESSES, BROKER_URLS
+from tests.transport_helpers import celery_app, drain, fresh_queue, message
 from tests.workers import delete_queue, new_queue_name
 
 pytestmark = pytest.mark.broker
@@ -42,40 +41,8 @@ LIVENESS = 60.0
 
 @pytest.fixture
 def queue(broker_url: str) -> Iterator[str]:
-    name = new_queue_name("batches")
-    yield name
-    delete_queue(broker_url, name)
-
-
-def celery_app(broker_url: str) -> Celery:
-    app = Celery("batches-test", broker=broker_url, set_as_current=False)
-    app.conf.task_create_missing_queues = True
-    return app
-
-
-def message(queue: str, n: int, key: str | None = None, **options: Any) -> OutboxMessage:
-    return OutboxMessage(
-        id=n,
-        event_id=str(new_event_id()),
-        destination="shop.effect",
-        payload={"args": [], "kwargs": {"n": n}, "options": {"queue": queue, **options}},
-        headers={"tenant": "acme"},
-        ordering_key=key,
-        created_at=timezone.now(),
-        attempts=1,
-    )
-
-
-def drain(broker_url: str, queue: str, expected: int) -> list[Any]:
-    received: list[Any] = []
-    with Connection(broker_url) as conn:
-        simple = conn.SimpleQueue(queue)
-        for _ in range(expected):
-            item = simple.get(timeout=10)
-            item.ack()
-            received.append(item)
-        simple.close()
-    return received
+    with fresh_queue(broker_url, "batches") as name:
+        yield name
 
 
 def queue_length(broker_url: str, queue: str) -> int:

@@ -7,57 +7,20 @@ published, with their headers (the worker proofs are in ``test_outbox_proofs.py`
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from celery import Celery
-from django.utils import timezone
-from kombu import Connection
 
-from django_idempotency.events.core import new_event_id
-from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
+from django_idempotency.outbox.transports import CeleryTransport
 from tests.servers import free_port
-from tests.workers import delete_queue, new_queue_name
+from tests.transport_helpers import celery_app, drain, fresh_queue, message
 
 pytestmark = pytest.mark.broker
 
 
 @pytest.fixture
 def queue(broker_url: str) -> Iterator[str]:
-    name = new_queue_name("transport")
-    yield name
-    delete_queue(broker_url, name)
-
-
-def app(broker_url: str) -> Celery:
-    celery = Celery("transport-test", broker=broker_url, set_as_current=False)
-    celery.conf.task_create_missing_queues = True
-    return celery
-
-
-def message(queue: str, n: int, key: str | None = None, **payload: Any) -> OutboxMessage:
-    return OutboxMessage(
-        id=n,
-        event_id=str(new_event_id()),
-        destination="shop.effect",
-        payload=payload or {"args": [], "kwargs": {"n": n}, "options": {"queue": queue}},
-        headers={"tenant": "acme"},
-        ordering_key=key,
-        created_at=timezone.now(),
-        attempts=1,
-    )
-
-
-def drain(broker_url: str, queue: str, expected: int) -> list[Any]:
-    received: list[Any] = []
-    with Connection(broker_url) as connection:
-        simple = connection.SimpleQueue(queue)
-        for _ in range(expected):
-            item = simple.get(timeout=10)
-            item.ack()
-            received.append(item)
-        simple.close()
-    return received
+    with fresh_queue(broker_url, "transport") as name:
+        yield name
 
 
 @pytest.mark.parametrize("transactions", [False, True], ids=["per-message", "transactions"])
@@ -66,7 +29,7 @@ def test_messages_land_with_the_event_id_as_header_and_task_id(
 ) -> None:
     if transactions and not broker_url.startswith("amqp"):
         pytest.skip("AMQP transactions are a RabbitMQ option")
-    transport = CeleryTransport(app=app(broker_url), transactions=transactions)
+    transport = CeleryTransport(app=celery_app(broker_url), transactions=transactions)
     messages = [message(queue, n, key="k") for n in range(3)]
 
     assert transport.send(messages) == [None, None, None]
@@ -89,7 +52,7 @@ def test_an_unreachable_broker_fails_every_message(broker_url: str) -> None:
         if broker_url.startswith("amqp")
         else f"redis://127.0.0.1:{port}/0"
     )
-    transport = CeleryTransport(app=app(down), connect_timeout=0.5)
+    transport = CeleryTransport(app=celery_app(down), connect_timeout=0.5)
 
     results = transport.send([message("q", n) for n in range(3)])
 
@@ -98,8 +61,8 @@ def test_an_unreachable_broker_fails_every_message(broker_url: str) -> None:
 
 
 def test_a_bad_payload_fails_its_key_only(broker_url: str, queue: str) -> None:
-    transport = CeleryTransport(app=app(broker_url))
-    bad = message(queue, 1, key="a", oops=True)
+    transport = CeleryTransport(app=celery_app(broker_url))
+    bad = message(queue, 1, key="a", payload={"oops": True})
     messages = [bad, message(queue, 2, key="a"), message(queue, 3, key="b"), message(queue, 4)]
 
     results = transport.send(messages)
