@@ -141,23 +141,35 @@ CHECKS = settings(
 )
 
 
+#: The relay's transport, and one a change-capture connector reads (written ``external``).
+TRANSPORTS = {
+    **NULL_TRANSPORTS,
+    "cdc": {"BACKEND": "django_idempotency.outbox.capture.ChangeCaptureTransport"},
+}
+
+
 @CHECKS
-@given(payload=JSON, key=KEYS, headers=HEADERS)
+@given(payload=JSON, key=KEYS, headers=HEADERS, transport=st.sampled_from(sorted(TRANSPORTS)))
 def test_a_message_is_stored_byte_for_byte_or_refused(
-    payload: Any, key: str | None, headers: dict[str, str]
+    payload: Any, key: str | None, headers: dict[str, str], transport: str
 ) -> None:
     errors = expected_errors(payload, key, headers)
     with (
-        override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": NULL_TRANSPORTS}),
+        override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": TRANSPORTS}),
         transaction.atomic(),
     ):
         if errors:
             with pytest.raises(errors):
-                outbox.send("orders.placed", payload, key=key, headers=headers)
+                outbox.send(
+                    "orders.placed", payload, key=key, headers=headers, transport=transport
+                )
             assert not OutboxEntry.objects.exists()  # nothing written, the transaction usable
             return
-        event_id = outbox.send("orders.placed", payload, key=key, headers=headers)
+        event_id = outbox.send(
+            "orders.placed", payload, key=key, headers=headers, transport=transport
+        )
         row = OutboxEntry.objects.get(event_id=event_id)
+        assert row.state == ("external" if transport == "cdc" else "pending")
         assert same_json(row.payload, payload)
         assert row.ordering_key == key
         assert {k: v for k, v in row.headers.items() if k in headers} == headers
