@@ -3,6 +3,7 @@ not), at every size and depth bound, and on the values where ``repr`` and ``safe
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import pytest
@@ -53,3 +54,32 @@ def test_task_repr_is_saferepr(value: Any, maxsize: int, maxlevels: int) -> None
 )
 def test_task_repr_where_repr_and_saferepr_part(value: Any) -> None:
     assert task_repr(value, 1024, 3) == saferepr(value, 1024, maxlevels=3)
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Tagged(str):
+    def __repr__(self) -> str:
+        return f"Tagged({str(self)!r})"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [Colour.RED],  # saferepr writes str() of a number: "1", where repr is "<Colour.RED: 1>"
+        [Tagged("a")],  # a str subclass: saferepr quotes the text, repr is the subclass's own
+        {"k": Tagged("b")},
+        {Tagged("k"): 1},
+    ],
+)
+def test_task_repr_of_a_subclass_is_saferepr(value: Any) -> None:
+    assert task_repr(value, 1024, 3) == saferepr(value, 1024, maxlevels=3)
+
+
+@pytest.mark.parametrize(("maxsize", "maxlevels"), [(None, 3), (1024, None), (None, None)])
+def test_task_repr_takes_no_bound_as_saferepr_does(maxsize: Any, maxlevels: Any) -> None:
+    """``saferepr`` reads None as no bound (Celery passes ``task_repr_maxlevels`` as set)."""
+    value = [1, {"a": ["b"]}, "x" * 2000]
+    assert task_repr(value, maxsize, maxlevels) == saferepr(value, maxsize, maxlevels=maxlevels)

@@ -17,11 +17,20 @@ from typing import Any
 __all__ = ["task_repr"]
 
 
-def task_repr(value: Any, maxsize: int, maxlevels: int) -> str:
-    """``saferepr(value, maxsize, maxlevels=maxlevels)``, the same string."""
-    if _plain(value, maxlevels):
+#: The scalars whose ``repr`` is what ``saferepr`` writes (``str``, for a number). Exact types: a
+#: subclass (an ``IntEnum``, a ``str`` with its own ``__repr__``) may write another ``repr``.
+_SCALARS = (type(None), bool, int, float)
+
+
+def task_repr(value: Any, maxsize: int | None, maxlevels: int | None) -> str:
+    """``saferepr(value, maxsize, maxlevels=maxlevels)``, the same string.
+
+    ``maxsize`` None is no bound on the length, ``maxlevels`` 0 or None none on the depth, as
+    for ``saferepr`` (the fast path then is not taken for a container).
+    """
+    if maxlevels and _plain(value, maxlevels):
         text = repr(value)
-        if len(text) < maxsize:
+        if maxsize is None or len(text) < maxsize:
             return text
     from celery.utils.saferepr import saferepr
 
@@ -30,9 +39,9 @@ def task_repr(value: Any, maxsize: int, maxlevels: int) -> str:
 
 def _plain(value: Any, levels: int) -> bool:
     """Whether ``saferepr`` of ``value`` is its ``repr`` (given the length fits)."""
-    if value is None or isinstance(value, (bool, int, float)):
+    if type(value) in _SCALARS:
         return True
-    if isinstance(value, str):
+    if type(value) is str:
         return _plain_text(value)
     if levels <= 0:
         return False
@@ -40,7 +49,7 @@ def _plain(value: Any, levels: int) -> bool:
         return all(_plain(item, levels - 1) for item in value)
     if type(value) is dict:
         return all(
-            isinstance(key, str) and _plain_text(key) and _plain(item, levels - 1)
+            type(key) is str and _plain_text(key) and _plain(item, levels - 1)
             for key, item in value.items()
         )
     return False
