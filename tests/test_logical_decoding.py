@@ -33,8 +33,30 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "django_idempotency_outboxentry"
+
+
+def connector_properties() -> dict[str, str]:
+    """docs/scale.md's Debezium connector configuration, as ``{option: value}``."""
+    page = (ROOT / "docs" / "scale.md").read_text()
+    (block,) = re.findall(r"```properties\n(.*?)```", page, re.S)
+    return dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+
+
+def router_columns(properties: dict[str, str]) -> tuple[str, ...]:
+    """The columns the outbox event router reads, as ``properties`` configure it."""
+    prefix = "transforms.outbox."
+    named = [
+        value
+        for option, value in properties.items()
+        if option.startswith(f"{prefix}table.field.") or option == f"{prefix}route.by.field"
+    ]
+    placement = properties.get(f"{prefix}table.fields.additional.placement", "")
+    named += [entry.split(":")[0] for entry in placement.split(",") if entry]
+    return tuple(dict.fromkeys(named))
+
+
 #: The columns Debezium's outbox event router reads, as docs/scale.md configures it.
-ROUTER_COLUMNS = ("event_id", "ordering_key", "payload", "destination", "headers", "created_at")
+ROUTER_COLUMNS = router_columns(connector_properties())
 
 
 def _pg_bin() -> Path | None:

@@ -32,6 +32,7 @@ from django_idempotency.outbox.transports import OutboxMessage
 from django_idempotency.retention.purge import purge_all
 from testproject.shop.tasks import apply_order_confirmed
 from tests.outbox_helpers import NULL_TRANSPORTS
+from tests.test_logical_decoding import connector_properties, router_columns
 from tests.test_outbox import listener, notifications
 
 CAPTURE = "django_idempotency.outbox.capture.ChangeCaptureTransport"
@@ -188,3 +189,23 @@ def test_the_admin_shows_no_lag_for_it() -> None:
     OutboxEntry.objects.update(created_at=timezone.now() - timedelta(hours=5))
     model_admin = site._registry[OutboxEntry]
     assert model_admin.lag(OutboxEntry.objects.get()) == "-"  # type: ignore[attr-defined]
+
+
+def test_the_scale_guide_connector_reads_columns_it_can_take() -> None:
+    """docs/scale.md's connector: every column the router reads is the table's, and none is a
+    ``timestamptz`` where the router wants an integer timestamp. The PostgreSQL connector emits
+    a ``timestamptz`` as a string (``io.debezium.time.ZonedTimestamp``), and the router's
+    ``table.field.event.timestamp`` fails the connector's task on one."""
+    properties = connector_properties()
+    columns = {field.column: field for field in OutboxEntry._meta.concrete_fields}
+    assert set(router_columns(properties)) <= set(columns)
+    timestamp = properties.get("transforms.outbox.table.field.event.timestamp")
+    if timestamp is not None:
+        assert columns[timestamp].get_internal_type() != "DateTimeField", timestamp
+
+
+def test_the_scale_guide_connector_takes_no_snapshot_of_the_table() -> None:
+    """A first snapshot reads every row of the table, whatever its transport or state (the
+    relay's Celery task calls, messages already sent), and the router routes a snapshot's rows
+    like inserts; a publication's row filter does not apply to it."""
+    assert connector_properties().get("snapshot.mode") in ("no_data", "never")
