@@ -129,6 +129,17 @@ def test_a_pending_row_written_before_the_switch_fails_with_the_reason_and_parks
     assert "ChangeCaptureTransport" in row.last_error
 
 
+@pytest.mark.parametrize("destination", ["orders confirmed", "orders/confirmed", "x" * 250, ".."])
+def test_a_destination_the_connector_cannot_route_is_refused_and_writes_nothing(
+    destination: str,
+) -> None:
+    """The router sends to the topic the destination names: a name Kafka refuses would stop the
+    connector on that message, and every message behind it, at each restart."""
+    with transaction.atomic(), pytest.raises(ValueError, match="not a Kafka topic name"):
+        outbox.send(destination, {"n": 1}, transport="cdc")
+    assert not OutboxEntry.objects.exists()
+
+
 def test_publish_through_it_is_refused_and_writes_nothing() -> None:
     with transaction.atomic(), pytest.raises(ValueError, match="ChangeCaptureTransport"):
         outbox.publish(apply_order_confirmed, args=[{"order_id": 1}], transport="cdc")

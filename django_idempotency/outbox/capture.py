@@ -25,9 +25,12 @@ have started later), so each such message fails with an error that says so, and 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from django.utils.module_loading import import_string
 
+from django_idempotency.exceptions import log_text
+from django_idempotency.kafka.transport import TOPIC_NAME
 from django_idempotency.outbox.transports import OutboxMessage
 
 __all__ = ["ChangeCaptureTransport", "is_change_capture"]
@@ -40,6 +43,24 @@ class ChangeCaptureTransport:
     change_capture = True
 
     # No OPTIONS (check E032 says so): the connector's own configuration says where they go.
+
+    def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
+        """Refuse, when it is written, a message the connector could never route.
+
+        The router sends a message to the Kafka topic its destination names (docs/scale.md).
+        Kafka refuses a name outside ``a-z A-Z 0-9 . _ -`` (or longer than 249, or ``.`` and
+        ``..``), and the connector's task then fails on that message, and again on it after
+        each restart: no later message leaves either, where the relay would park one message.
+
+        :raises ValueError: a destination that is no Kafka topic name.
+        """
+        if not TOPIC_NAME.fullmatch(destination) or destination in (".", ".."):
+            raise ValueError(
+                f"{log_text(repr(destination)[:300])} is not a Kafka topic name (1 to 249 of "
+                "a-z, A-Z, 0-9, '.', '_' and '-', not '.' or '..'): the change-capture "
+                "connector routes a message to the topic its destination names, and would "
+                "stop on this one."
+            )
 
     def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         return [
