@@ -83,3 +83,14 @@ def test_task_repr_takes_no_bound_as_saferepr_does(maxsize: Any, maxlevels: Any)
     """``saferepr`` reads None as no bound (Celery passes ``task_repr_maxlevels`` as set)."""
     value = [1, {"a": ["b"]}, "x" * 2000]
     assert task_repr(value, maxsize, maxlevels) == saferepr(value, maxsize, maxlevels=maxlevels)
+
+
+def test_task_repr_of_an_int_past_the_digit_limit_past_the_cut_is_saferepr() -> None:
+    """``repr`` of an int past ``sys.get_int_max_str_digits()`` raises ``ValueError``; saferepr
+    never writes one that comes after its cut."""
+    value = ["x" * 200, "y", 10**5000]
+    assert task_repr(value, 100, 3) == saferepr(value, 100, maxlevels=3)
+    with pytest.raises(ValueError):
+        task_repr([10**5000], 100, 3)  # before the cut: saferepr raises as well
+    with pytest.raises(ValueError):
+        saferepr([10**5000], 100, maxlevels=3)

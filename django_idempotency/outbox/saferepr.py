@@ -29,12 +29,18 @@ def task_repr(value: Any, maxsize: int | None, maxlevels: int | None) -> str:
     for ``saferepr`` (the fast path then is not taken for a container).
     """
     if maxlevels and _plain(value, maxlevels):
-        text = repr(value)
-        if maxsize is None or len(text) < maxsize:
+        text: str | None
+        try:
+            text = repr(value)
+        except ValueError:
+            # An int past sys.get_int_max_str_digits(): saferepr writes it only if it comes
+            # before the cut (and raises then too); past the cut it leaves it out.
+            text = None
+        if text is not None and (maxsize is None or len(text) < maxsize):
             return text
     from celery.utils.saferepr import saferepr
 
-    return saferepr(value, maxsize, maxlevels=maxlevels)
+    return saferepr(value, maxsize, maxlevels=maxlevels or 0)  # None and 0: no bound, alike
 
 
 def _plain(value: Any, levels: int) -> bool:
