@@ -306,7 +306,8 @@ class EventDeliveryQuerySet(ExpiringQuerySet[_M]):
 
 
 class OutboxEntryQuerySet(ExpiringQuerySet[_M]):
-    """Sent outbox messages expire ``OUTBOX_TTL`` after sending; pending and parked never do."""
+    """Sent outbox messages expire ``OUTBOX_TTL`` after sending, ``external`` ones (read from the
+    log) ``OUTBOX_TTL`` after they were written; pending and parked never do."""
 
     def lag_seconds(self) -> float:
         """Seconds since the oldest pending message was written (0 when none is pending)."""
