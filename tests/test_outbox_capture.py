@@ -9,7 +9,10 @@ publication filtered on the transport keeps the relay's rows out of it, is
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
@@ -220,3 +223,20 @@ def test_the_scale_guide_connector_takes_no_snapshot_of_the_table() -> None:
     relay's Celery task calls, messages already sent), and the router routes a snapshot's rows
     like inserts; a publication's row filter does not apply to it."""
     assert connector_properties().get("snapshot.mode") in ("no_data", "never")
+
+
+def test_the_outbox_imports_without_the_kafka_extra() -> None:
+    """``outbox.send()`` (and so this transport) needs no confluent-kafka."""
+    code = (
+        "import sys; sys.modules['confluent_kafka'] = None\n"
+        "import django; django.setup()\n"
+        "from django_idempotency.outbox import core, capture\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "testproject.settings"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr

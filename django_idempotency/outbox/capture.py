@@ -30,7 +30,7 @@ from typing import Any
 from django.utils.module_loading import import_string
 
 from django_idempotency.exceptions import log_text
-from django_idempotency.kafka.transport import TOPIC_NAME
+from django_idempotency.kafka.settings import TOPIC_PATTERN
 from django_idempotency.outbox.transports import OutboxMessage
 
 __all__ = ["ChangeCaptureTransport", "is_change_capture"]
@@ -54,7 +54,8 @@ class ChangeCaptureTransport:
 
         :raises ValueError: a destination that is no Kafka topic name.
         """
-        if not TOPIC_NAME.fullmatch(destination) or destination in (".", ".."):
+        # TOPIC_PATTERN from kafka.settings: kafka.transport imports confluent-kafka, an extra.
+        if not TOPIC_PATTERN.fullmatch(destination) or destination in (".", ".."):
             raise ValueError(
                 f"{log_text(repr(destination)[:300])} is not a Kafka topic name (1 to 249 of "
                 "a-z, A-Z, 0-9, '.', '_' and '-', not '.' or '..'): the change-capture "
