@@ -225,6 +225,12 @@ def test_the_scale_guide_connector_takes_no_snapshot_of_the_table() -> None:
     assert connector_properties().get("snapshot.mode") in ("no_data", "never")
 
 
+def test_the_scale_guide_connector_confirms_its_position_without_events() -> None:
+    """The publication streams the connector's rows only: without a heartbeat, a slot that
+    gets none of them for a while holds the database's WAL on disk all that time."""
+    assert int(connector_properties().get("heartbeat.interval.ms", "0")) > 0
+
+
 def test_the_outbox_imports_without_the_kafka_extra() -> None:
     """``outbox.send()`` (and so this transport) needs no confluent-kafka."""
     code = (
