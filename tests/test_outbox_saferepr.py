@@ -94,3 +94,26 @@ def test_task_repr_of_an_int_past_the_digit_limit_past_the_cut_is_saferepr() -> 
         task_repr([10**5000], 100, 3)  # before the cut: saferepr raises as well
     with pytest.raises(ValueError):
         saferepr([10**5000], 100, maxlevels=3)
+
+
+def test_task_repr_stops_walking_a_large_value_at_maxsize(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long list or string is cut by saferepr at ``maxsize``: task_repr stops looking at it
+    there too, instead of walking it all (and then ``repr`` of it all), which took longer than
+    saferepr itself. Counted in calls, not timed."""
+    from django_idempotency.outbox import saferepr as module
+
+    calls = {"_plain": 0, "_plain_text": 0}
+    for name in calls:
+        original = getattr(module, name)
+
+        def counted(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(module, name, counted)
+    long_list = [list(range(100_000))]
+    assert task_repr(long_list, 1024, 3) == saferepr(long_list, 1024, maxlevels=3)
+    assert calls["_plain"] <= 1024
+    long_text = [1, "x" * 1_000_000]
+    assert task_repr(long_text, 1024, 3) == saferepr(long_text, 1024, maxlevels=3)
+    assert calls["_plain_text"] == 0  # the long string is not scanned
