@@ -190,26 +190,38 @@ def test_outbox_rows_reach_the_change_stream_in_commit_order(logical_server: str
     assert "ordering_key[character varying]:'order-2'" in first
 
 
-#: One transaction writes a message for the relay and one for the change-capture connector, a
-#: second writes another for the connector; then the purge deletes the connector's rows.
+#: A process that still runs the settings from before "cdc" was switched to the connector (a
+#: rolling deploy) writes a relay message for it; then one transaction writes a message for the
+#: relay and one for the change-capture connector, a second writes another for the connector;
+#: then the purge deletes the connector's rows.
 CAPTURE_PRODUCER = textwrap.dedent(
     """
     import django
     django.setup()
+    from django.conf import settings
     from django.core.management import call_command
     from django.db import transaction
+    from django.test import override_settings
     from django.utils import timezone
     from django_idempotency import outbox
     from django_idempotency.models import OutboxEntry
 
+    before_switch = {"OUTBOX_TRANSPORTS": {
+        "default": settings.IDEMPOTENCY["OUTBOX_TRANSPORTS"]["default"],
+        "cdc": settings.IDEMPOTENCY["OUTBOX_TRANSPORTS"]["default"],
+    }}
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, **before_switch}):
+        with transaction.atomic():
+            outbox.send("orders.before_switch", {"n": -1}, key="order-1", transport="cdc")
+    assert OutboxEntry.objects.get(transport="cdc").state == "pending"
     with transaction.atomic():
         outbox.send("orders.relayed", {"n": 0}, key="order-1")
         outbox.send("orders.captured", {"n": 1}, key="order-1", transport="cdc")
     with transaction.atomic():
         outbox.send("orders.captured", {"n": 2}, key="order-1", transport="cdc")
-    OutboxEntry.objects.filter(transport="cdc").update(expires_at=timezone.now())
+    OutboxEntry.objects.filter(state="external").update(expires_at=timezone.now())
     call_command("idempotency_purge", verbosity=0)
-    assert not OutboxEntry.objects.filter(transport="cdc").exists()
+    assert not OutboxEntry.objects.filter(state="external").exists()
     """
 )
 
@@ -278,11 +290,11 @@ def test_a_publication_filtered_on_the_capture_transport_streams_only_its_insert
     }
     migrate = [sys.executable, "manage.py", "migrate", "-v", "0", "django_idempotency"]
     subprocess.run(migrate, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+    page = (ROOT / "docs" / "scale.md").read_text()
+    (publication,) = re.findall(r"```sql\n(CREATE PUBLICATION .*?)```", page, re.S)
+    name = re.search(r"CREATE PUBLICATION (\w+)", publication).group(1)  # type: ignore[union-attr]
     with psycopg.connect(logical_server, autocommit=True) as conn:
-        conn.execute(
-            f"CREATE PUBLICATION idem_cdc FOR TABLE {TABLE} "
-            "WHERE (transport = 'cdc') WITH (publish = 'insert')"
-        )
+        conn.execute(publication)  # docs/scale.md's own statement
         conn.execute("SELECT pg_create_logical_replication_slot('idem_cdc', 'pgoutput')")
 
     done = subprocess.run(
@@ -295,7 +307,8 @@ def test_a_publication_filtered_on_the_capture_transport_streams_only_its_insert
             bytes(row[0])
             for row in conn.execute(
                 "SELECT data FROM pg_logical_slot_get_binary_changes('idem_cdc', NULL, NULL, "
-                "'proto_version', '1', 'publication_names', 'idem_cdc')"
+                "'proto_version', '1', 'publication_names', %s)",
+                [name],
             )
         ]
         conn.execute("SELECT pg_drop_replication_slot('idem_cdc')")
