@@ -170,7 +170,7 @@ def test_postgresql_ordering_check_reads_the_key_index_not_the_sent_rows() -> No
         unsent = store.unsent_of_keys(connection.alias, keys, max(row.pk for row in found))
     assert len(found) == BATCH
     assert unsent == sorted(unsent) and len(unsent) >= BATCH
-    (sql,) = [q["sql"] for q in queries.captured_queries if "ordering_key\" IN (" in q["sql"]]
+    (sql,) = [q["sql"] for q in queries.captured_queries if 'ordering_key" IN (' in q["sql"]]
     with store.claim_transaction(connection), connection.cursor() as cursor:
         cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
         [[explained]] = cursor.fetchall()
