@@ -3,6 +3,7 @@
     python -m bench.growth                    # 10,000,000 rows per table (about half an hour)
     python -m bench.growth --rows 1000000     # a million: a few minutes
     python -m bench.growth --quick            # 20,000 rows: checks that it works
+    python -m bench.growth --claim-only --batches 60   # the claim and its parts, outbox alone
 
 Sent outbox messages, records, processed events and delivery counters accumulate until the purge
 deletes them (issue 28). PostgreSQL only, in a database of its own (``idempotency_bench_growth``
@@ -26,6 +27,9 @@ migrated with the test project's settings and dropped afterwards (``--keep`` kee
 
 Each figure is printed beside its bound (docs/operations.md, docs/admin.md, docs/outbox.md) with
 whether it was met, and the whole document is written as JSON (``--json``).
+
+Why this module is long: five measurements, the seeding they share, a relay-like load and the
+report of their bounds; each part is short, and they are read together.
 """
 
 from __future__ import annotations
@@ -192,7 +196,7 @@ def relay_claim(batches: int) -> dict[str, Any]:
 
     relay = Relay(batch_size=BATCH, transports={"default": NullTransport()})
     samples: list[float] = []
-    query: list[float] = []
+    parts: dict[str, list[float]] = {"query": [], "ordering check": [], "lease": []}
     claimed = 0
     for _ in range(batches):
         with CaptureQueriesContext(connection) as captured:
@@ -200,20 +204,33 @@ def relay_claim(batches: int) -> dict[str, Any]:
             rows = relay._claim()
             samples.append((time.perf_counter() - started) * 1000)
         claimed += len(rows)
-        # The claim's own query (store.candidates), as the driver timed it.
-        query.extend(
-            float(q["time"]) * 1000 for q in captured.captured_queries if "SKIP LOCKED" in q["sql"]
-        )
+        # Each statement as the driver timed it: the claim's own query (store.candidates), the
+        # ordering check (store.unsent_of_keys) and the lease (store.lease).
+        for q in captured.captured_queries:
+            part = _claim_part(q["sql"])
+            if part:
+                parts[part].append(float(q["time"]) * 1000)
         now = timezone.now()
         with store.record_transaction("default"):
             store.mark_sent("default", [row.pk for row in rows], now, now + relay_ttl())
     return {
-        "query": spread(query),
+        "query": spread(parts["query"]),
         "whole": spread(samples),
+        "parts_p50": {name: round(statistics.median(v), 1) for name, v in parts.items() if v},
         "rows_per_batch": round(claimed / batches),
         "queries": len(captured.captured_queries),
         "buffers": claim_buffers(),
     }
+
+
+def _claim_part(sql: str) -> str:
+    if "SKIP LOCKED" in sql:
+        return "query"
+    if '"ordering_key" IN (' in sql:
+        return "ordering check"
+    if sql.startswith("UPDATE"):
+        return "lease"
+    return ""
 
 
 def relay_ttl() -> Any:
@@ -585,6 +602,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument(
         "--load-rate", type=int, default=OUTBOX_RATE, help="relay-like messages a second"
     )
+    parser.add_argument(
+        "--claim-only",
+        action="store_true",
+        help="only the relay's claim and its parts, beside --rows sent messages alone",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(list(argv))
@@ -612,6 +634,32 @@ def setup(url: str) -> None:
     if connection.vendor != "postgresql":
         raise SystemExit("bench/growth.py seeds with generate_series: PostgreSQL only.")
     call_command("migrate", verbosity=0)
+
+
+def claim_only(args: argparse.Namespace) -> dict[str, Any]:
+    """``--claim-only``: the relay's claim, and its parts, beside an outbox of ``--rows`` sent
+    messages and nothing else; the claim with stale statistics twice, then fresh."""
+    runs: dict[str, Any] = {}
+    analyze_outbox_quiet()
+    add_pending("small")
+    runs["small"] = relay_claim(args.batches)
+    execute(f"TRUNCATE {OUTBOX}")
+    log(f"== seeding {args.rows:,} sent outbox messages")
+    started = time.perf_counter()
+    step = 1.1 * 7 * 86400 / args.rows
+    execute(SENT_SQL, {"rows": args.rows, "step": step, "ttl": "7 days", "keys": KEYS})
+    with autocommit():
+        execute(f"VACUUM ANALYZE {OUTBOX}")
+    seeded = round(time.perf_counter() - started, 1)
+    analyze_outbox_quiet()
+    add_pending("big")
+    runs["stale"] = relay_claim(args.batches)
+    runs["stale, again"] = relay_claim(args.batches)
+    execute(f"ANALYZE {OUTBOX}")
+    runs["fresh"] = relay_claim(args.batches)
+    for name, fig in runs.items():
+        print(f"{name:<14} whole p50 {fig['whole']['p50']:6.1f} ms  parts {fig['parts_p50']}")
+    return {"rows": args.rows, "seeding_seconds": seeded, "claim_only": runs}
 
 
 def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -679,6 +727,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     recreate_database(server, DATABASE)
     try:
         setup(url)
+        if args.claim_only:
+            results = claim_only(args)
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            return 0
         results = run(url, args)
     finally:
         from django.db import connections
