@@ -607,6 +607,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         action="store_true",
         help="only the relay's claim and its parts, beside --rows sent messages alone",
     )
+    parser.add_argument("--database", default=DATABASE, help="the database to create and drop")
     parser.add_argument("--keep", action="store_true", help="keep the database afterwards")
     parser.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args(list(argv))
@@ -723,8 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not server.startswith(("postgres://", "postgresql://")):
         print("bench/growth.py needs PostgreSQL: BENCH_PG_URL=postgres://...", file=sys.stderr)
         return 2
-    url = database_url(server, DATABASE)
-    recreate_database(server, DATABASE)
+    url = database_url(server, args.database)
+    recreate_database(server, args.database)
     try:
         setup(url)
         if args.claim_only:
@@ -738,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         connections.close_all()
         if not args.keep:
-            recreate_database(server, DATABASE, drop_only=True)
+            recreate_database(server, args.database, drop_only=True)
     print(json.dumps(results, indent=2, default=str))
     print()
     print(table(results))
