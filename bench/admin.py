@@ -48,11 +48,13 @@ SELECT 'user:' || mod(i, 1000),
        CASE WHEN mod(i, 100) = 0 THEN NULL WHEN mod(i, 10) = 1 THEN 422 ELSE 201 END,
        '{"Content-Type": "application/json"}'::jsonb,
        convert_to('{"id": ' || i || ', "status": "confirmed"}', 'UTF8'),
-       now() - make_interval(secs => i),
-       now() - make_interval(secs => i),
-       now() - make_interval(secs => i) + interval '1 day'
+       now() - make_interval(secs => i * %(step)s),
+       now() - make_interval(secs => i * %(step)s),
+       now() - make_interval(secs => i * %(step)s) + %(ttl)s::interval
 FROM generate_series(1, %(rows)s) AS i
 """
+"""``%(rows)s`` records, one every ``%(step)s`` seconds back from now, each expiring ``%(ttl)s``
+after it was made (bench/growth.py seeds with it too)."""
 
 EVENTS_SQL = """
 INSERT INTO django_idempotency_processedevent (consumer, event_id, topic, processed_at, expires_at)
@@ -63,8 +65,8 @@ SELECT CASE mod(i, 3)
        END,
        md5(i::text)::uuid::text,
        CASE mod(i, 2) WHEN 0 THEN 'orders' ELSE 'payments' END,
-       now() - make_interval(secs => i),
-       now() - make_interval(secs => i) + interval '7 days'
+       now() - make_interval(secs => i * %(step)s),
+       now() - make_interval(secs => i * %(step)s) + %(ttl)s::interval
 FROM generate_series(1, %(rows)s) AS i
 """
 
@@ -98,8 +100,8 @@ def seed(rows: int) -> float:
         raise SystemExit("bench/admin.py seeds with generate_series: PostgreSQL only.")
     started = time.perf_counter()
     with connection.cursor() as cursor:
-        cursor.execute(RECORDS_SQL, {"rows": rows})
-        cursor.execute(EVENTS_SQL, {"rows": rows})
+        cursor.execute(RECORDS_SQL, {"rows": rows, "step": 1, "ttl": "1 day"})
+        cursor.execute(EVENTS_SQL, {"rows": rows, "step": 1, "ttl": "7 days"})
         cursor.execute("ANALYZE django_idempotency_idempotencyrecord")
         cursor.execute("ANALYZE django_idempotency_processedevent")
     return time.perf_counter() - started

@@ -11,7 +11,10 @@
 #
 # Environment: BENCH_PG_URL (default postgres://postgres@127.0.0.1:5432/postgres),
 #              BENCH_REDIS_URL (default redis://127.0.0.1:6379/13), PYTHON (default python3),
-#              BENCH_OUTBOX=0 to leave out the outbox relay's throughput (bench/outbox.py).
+#              BENCH_OUTBOX=0 to leave out the outbox relay's throughput (bench/outbox.py),
+#              BENCH_GROWTH=0 to leave out the growth bench (bench/growth.py: the claim, purge,
+#              admin and status beside big tables; here 1,000,000 rows per table, about 2 min,
+#              or BENCH_GROWTH_ROWS; the documented run used its default, 10,000,000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -54,6 +57,12 @@ if [ "${BENCH_OUTBOX:-1}" != 0 ]; then
           --output bench/results/outbox.json --charts docs/assets/benchmarks)
   for arg in "$@"; do if [ "$arg" = --quick ]; then outbox+=(--quick); fi; done
   "$venv/bin/python" -m bench.outbox "${outbox[@]}" || status=$?
+fi
+# The claim, the purge, the admin and idempotency_status beside big tables (bench/growth.py).
+if [ "${BENCH_GROWTH:-1}" != 0 ]; then
+  growth=(--rows "${BENCH_GROWTH_ROWS:-1000000}")
+  for arg in "$@"; do if [ "$arg" = --quick ]; then growth=(--quick); fi; done
+  "$venv/bin/python" -m bench.growth "${growth[@]}" || status=$?
 fi
 if [ "$started_pgbouncer" = 1 ]; then scripts/pgbouncer.sh stop; fi
 exit "$status"

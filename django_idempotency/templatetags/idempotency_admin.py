@@ -5,7 +5,9 @@ pages. Django's tag finds the days, months or years that hold rows with
 ``SELECT DISTINCT DATE_TRUNC(...)`` over the whole selection: on a million-row table that is a
 full scan (about 200 ms on PostgreSQL) on every page view. This tag runs one
 ``MIN``/``MAX`` query instead, which the index on the date column answers, and links every day,
-month or year between the two. A day without rows then shows an empty list.
+month or year between the two. A day without rows then shows an empty list. The span is the
+table's (within the year and month picked), not the filtered selection's: the index answers
+that in two probes, where the span of a filtered selection can take a walk of the whole index.
 """
 
 from __future__ import annotations
@@ -54,8 +56,13 @@ def indexed_date_hierarchy(cl: ChangeList) -> dict[str, Any]:
             "choices": [{"title": capfirst(formats.date_format(selected, "MONTH_DAY_FORMAT"))}],
         }
 
-    # cl.queryset already holds the year/month range the user picked, so MIN and MAX fall in it.
-    span = cl.queryset.order_by().aggregate(first=Min(field_name), last=Max(field_name))
+    # The span of the whole table within the year and month picked, not of the filtered
+    # selection: MIN and MAX are then two probes of the date column's index, whatever the
+    # filters. Of a filtered selection, one of them walked the index past every row that did
+    # not match (the expired filter's MAX: 0.25 s at a million rows, growing with the table).
+    picked = {name: value for name, value in ((year_field, year), (month_field, month)) if value}
+    rows = cl.root_queryset.filter(**picked).order_by()
+    span = rows.aggregate(first=Min(field_name), last=Max(field_name))
     if span["first"] is None or span["last"] is None:
         return {
             "show": bool(year),
