@@ -13,6 +13,7 @@ never assert a duration.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,20 +79,24 @@ def claim_sql() -> str:
     return sql
 
 
+def explain_in_claim(sql: str, options: str) -> dict[str, Any]:
+    """The plan of ``sql``, explained (with ``options``) inside the claim's transaction."""
+    with store.claim_transaction(connection), connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN ({options}) {sql}")
+        [[explained]] = cursor.fetchall()
+    if isinstance(explained, str):
+        explained = json.loads(explained)
+    plan: dict[str, Any] = explained[0]["Plan"]
+    return plan
+
+
 @pytest.mark.postgres
 def test_postgresql_claim_walks_the_partial_indexes_after_an_empty_analyze() -> None:
     if connection.vendor != "postgresql":
         pytest.skip("PostgreSQL's plan")
     fill(100_000, 1_000)
     sql = claim_sql()
-    with store.claim_transaction(connection), connection.cursor() as cursor:
-        cursor.execute(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}")
-        [[explained]] = cursor.fetchall()
-    if isinstance(explained, str):
-        import json
-
-        explained = json.loads(explained)
-    plan = explained[0]["Plan"]
+    plan = explain_in_claim(sql, "ANALYZE, BUFFERS, FORMAT JSON")
     types = [node["Node Type"] for node in nodes(plan)]
     assert "Seq Scan" not in types and "Sort" not in types, types
     assert not any(t.startswith("Bitmap") or t == "Hash Join" for t in types), types
@@ -171,14 +176,7 @@ def test_postgresql_ordering_check_reads_the_key_index_not_the_sent_rows() -> No
     assert len(found) == BATCH
     assert unsent == sorted(unsent) and len(unsent) >= BATCH
     (sql,) = [q["sql"] for q in queries.captured_queries if 'ordering_key" IN (' in q["sql"]]
-    with store.claim_transaction(connection), connection.cursor() as cursor:
-        cursor.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")
-        [[explained]] = cursor.fetchall()
-    if isinstance(explained, str):
-        import json
-
-        explained = json.loads(explained)
-    plan = explained[0]["Plan"]
+    plan = explain_in_claim(sql, "ANALYZE, FORMAT JSON")
     scanned = {node.get("Index Name") for node in nodes(plan)} - {None}
     # An index of unsent rows by key, or by state: either reads no sent row.
     assert len(scanned) == 1 and scanned <= {"idem_outbox_key_idx", "idem_outbox_state_idx"}, (
