@@ -53,6 +53,10 @@ def _setup() -> None:
 
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "bench.benchproject.settings")
     os.environ.setdefault("BENCH_VARIANT", "app")
+    from bench.benchproject.settings import DATABASE_URL
+    from bench.servers import create_database
+
+    create_database(DATABASE_URL)  # a fresh machine has none
     django.setup()
     from django.core.management import call_command
 

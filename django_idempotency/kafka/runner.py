@@ -48,7 +48,11 @@ from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
 from django_idempotency.conf import conf, consumer_settings
-from django_idempotency.events.core import normalize_event_id, process_event
+from django_idempotency.events.core import (
+    normalize_event_id,
+    process_event,
+    process_first_deliveries,
+)
 from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 from django_idempotency.extras import missing_extra
 from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
@@ -349,7 +353,6 @@ class ConsumerRunner:
         """One transaction for ``messages`` (one partition, in order), one reservation each,
         then their offsets; on any failure, a rollback and the same messages one at a time."""
         settings = self.settings
-        outcomes: list[Outcome] = []
         try:
             ids = [event_id_of(message, settings) for message in messages]
 
@@ -358,17 +361,17 @@ class ConsumerRunner:
                 return f"a batch of {len(messages)}, {first} to {last}"
 
             with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
-                for message, event_id in zip(messages, ids, strict=True):
-                    processed = process_event(
-                        settings.name,
-                        event_id,
-                        lambda message=message: self.handler(message),  # type: ignore[misc]
-                        topic=message.topic(),
-                        max_deliveries=settings.max_deliveries,
-                        redelivered=False,  # a settled partition: first deliveries
-                        using=conf.DATABASE,
-                    )
-                    outcomes.append(Outcome.APPLIED if processed.applied else Outcome.DUPLICATE)
+                # A settled partition: first deliveries, reserved together up front.
+                processed = process_first_deliveries(
+                    settings.name,
+                    [
+                        (event_id, lambda message=message: self.handler(message))
+                        for message, event_id in zip(messages, ids, strict=True)
+                    ],
+                    topic=messages[0].topic(),
+                    using=conf.DATABASE,
+                )
+            outcomes = [Outcome.APPLIED if p.applied else Outcome.DUPLICATE for p in processed]
         except Exception:  # logged; the messages are then applied one at a time
             logger.warning(
                 "batch of %d messages rolled back, applying them one at a time: consumer %s, "
