@@ -221,6 +221,69 @@ def test_a_parked_event_in_a_batch_is_dead_lettered_after_the_fallback(
     assert dict(dead.headers() or [])["dlq.error"] == b"RuntimeError: killed it"
 
 
+class Died(BaseException):
+    """The consumer's death (SIGKILL, out of memory), in process: no handler catches it."""
+
+
+class Mortal(ConsumerRunner):
+    """A runner whose death commits nothing more: no offset, as after a SIGKILL."""
+
+    dead = False
+
+    def _commit(self, partitions: Any = None) -> None:
+        if not self.dead:
+            super()._commit(partitions)
+
+
+@REGRESSION
+def test_a_killer_behind_batches_whose_offsets_were_not_committed_is_counted_at_once(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """Regression: with COMMIT_INTERVAL, an owner commits batches to the database ahead of
+    their offsets. Its next owner meets those messages again as duplicates, and each one used
+    up a message of its warm-up (the first BATCH_SIZE messages, one at a time and counted), so
+    it batched the messages after the first one it applied, the killer among them: uncounted,
+    the killer took one more owner each time. Only applied messages end the warm-up now: the
+    killer is counted by every owner after the first, and dead-lettered by the fifth."""
+    # Taken three at a time: the killer is the third of its batch, behind two healthy ones.
+    values = [event() for _ in range(8)] + [event(die=True)] + [event() for _ in range(3)]
+    produce(kafka_cluster, topic, values)
+    settings = settings_for(
+        kafka_cluster,
+        topic,
+        batch_size=3,
+        commit_interval=3600.0,
+        event_id_source="json",
+        max_deliveries=3,
+    )
+    deaths = 0
+    while True:
+        runner = Mortal(settings, handler=None)  # type: ignore[arg-type]
+
+        def handler(message: Message, runner: Mortal = runner) -> None:
+            body = json.loads(message.value() or b"")
+            if body.get("die"):
+                runner.dead = True
+                raise Died
+            Effect.objects.create(name="fast", payload=body["event_id"])
+
+        runner.handler = handler
+        try:
+            runner.run(max_messages=len(values))
+        except Died:
+            deaths += 1
+            assert deaths < 7, "the killer was never counted"
+            continue
+        break
+
+    assert deaths == 4  # one in a batch, uncounted; three counted; the fifth dead-letters it
+    assert runner.counts[Outcome.DEAD_LETTERED] == 1
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    healthy = [json.loads(v)["event_id"] for v in values if b'"die"' not in v]
+    assert Counter(effect_ids()) == Counter(healthy)
+
+
 @pytest.mark.parametrize("value", [0, -1, True, "10", 1.5, 10_001])
 def test_batch_size_is_validated(value: Any) -> None:
     entry = {

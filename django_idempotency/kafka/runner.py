@@ -208,8 +208,8 @@ class ConsumerRunner:
         owner ever saw their later messages, so those are first deliveries (see process())."""
         self._committed_at = time.monotonic()
         self._warmup: dict[tuple[str, int], int] = {}
-        """Batch mode: messages each partition still takes one at a time, counted, since it
-        was assigned here (see handle_batch())."""
+        """Batch mode: how many messages each partition must still apply one at a time, each
+        counted, since it was assigned here, before it settles (see handle_batch())."""
         self._paused: dict[tuple[str, int], float] = {}
         """Partitions paused after a failed message, with when to resume them."""
         self._assigned: set[tuple[str, int]] = set()
@@ -315,11 +315,14 @@ class ConsumerRunner:
             self._retry_at(topic, partition, offset)
         else:
             key = (topic, partition)
-            warming = self._warmup.get(key, 0)
-            if warming:
-                self._warmup[key] = warming - 1
-            elif outcome is Outcome.APPLIED:
-                self._settled.add(key)
+            # Only an applied message counts: a duplicate (an earlier owner applied it) or a
+            # dead letter leaves the warm-up as it is (see handle_batch()).
+            if outcome is Outcome.APPLIED:
+                warming = self._warmup.get(key, 0)
+                if warming:
+                    self._warmup[key] = warming - 1
+                else:
+                    self._settled.add(key)
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
@@ -328,11 +331,14 @@ class ConsumerRunner:
         """Batch mode: apply each partition's messages in one transaction; how many were
         handled (the rest come again: their partition was sought back after a failure).
 
-        A partition newly assigned here takes its first ``BATCH_SIZE`` messages one at a time,
-        each counted, then one at a time until one is applied (see :meth:`process`). An
-        earlier owner that died inside a batch died within the ``BATCH_SIZE`` messages after
-        its last offset commit, so a message that kills every owner is always among the
-        counted ones, and is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch.
+        A partition newly assigned here takes its messages one at a time, each counted, until
+        it has applied ``BATCH_SIZE`` of them and one more (see :meth:`process`). An earlier
+        owner that died inside a batch died within the ``BATCH_SIZE`` messages after the last
+        one it applied; those are the first messages this owner does not find applied
+        already, so a message that kills every owner is always among the counted ones, and
+        is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch. Duplicates (the
+        earlier owner's batches that committed before their offsets, with
+        ``COMMIT_INTERVAL``) do not count towards the ``BATCH_SIZE``.
         """
         by_partition: dict[tuple[str, int], list[Message]] = {}
         for message in messages:
