@@ -42,6 +42,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench.servers import create_database
+
 REPO = Path(__file__).resolve().parent.parent
 REDIS = "redis://127.0.0.1:6379/12"
 RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
@@ -53,35 +55,13 @@ def setup(database_url: str) -> None:
     os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
     os.environ["CELERY_BROKER_URL"] = REDIS  # real publishes, not eager
     os.environ["IDEMPOTENCY_LOG_LEVEL"] = "WARNING"
-    _create_database(database_url)
+    create_database(database_url)
     import django
 
     django.setup()
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)
-
-
-def _create_database(url: str) -> None:
-    import environ
-
-    config = environ.Env.db_url_config(url)
-    name = config["NAME"]
-    if config["ENGINE"].endswith("postgresql"):
-        import psycopg
-
-        with psycopg.connect(
-            host=config["HOST"], port=config["PORT"] or 5432, user=config["USER"],
-            dbname="postgres", autocommit=True,
-        ) as conn:  # fmt: skip
-            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
-                conn.execute(f'CREATE DATABASE "{name}"')
-    elif config["ENGINE"].endswith("mysql"):
-        import MySQLdb
-
-        conn = MySQLdb.connect(host=config["HOST"], port=int(config["PORT"] or 3306), user="root")
-        conn.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{name}` CHARACTER SET utf8mb4")
-        conn.close()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -37,6 +37,33 @@ def recreate_database(name: str) -> None:
         conn.execute(f'CREATE DATABASE "{name}"')
 
 
+def create_database(url: str) -> None:
+    """Create the database ``url`` names unless it exists (PostgreSQL, MySQL/MariaDB); a
+    SQLite file is created by its first connection. Never drops anything."""
+    import environ
+
+    config = environ.Env.db_url_config(url)
+    name = config["NAME"]
+    if config["ENGINE"].endswith("postgresql"):
+        import psycopg
+
+        with psycopg.connect(
+            host=config["HOST"], port=config["PORT"] or 5432, user=config["USER"],
+            password=config["PASSWORD"] or None, dbname="postgres", autocommit=True,
+        ) as conn:  # fmt: skip
+            if not conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [name]).fetchone():
+                conn.execute(f'CREATE DATABASE "{name}"')
+    elif config["ENGINE"].endswith("mysql"):
+        import MySQLdb
+
+        conn = MySQLdb.connect(
+            host=config["HOST"], port=int(config["PORT"] or 3306),
+            user=config["USER"] or "root", password=config["PASSWORD"] or "",
+        )  # fmt: skip
+        conn.cursor().execute(f"CREATE DATABASE IF NOT EXISTS `{name}` CHARACTER SET utf8mb4")
+        conn.close()
+
+
 def postgres_version() -> str:
     with _admin_connection() as conn:  # type: ignore[attr-defined]
         row = conn.execute("SHOW server_version").fetchone()

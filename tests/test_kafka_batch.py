@@ -6,6 +6,7 @@ SIGKILL, poison and rebalance proofs with real consumer processes."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import Counter
 from pathlib import Path
@@ -17,16 +18,19 @@ pytest.importorskip("confluent_kafka")
 
 from confluent_kafka import Message
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import connection, transaction
+from django.utils import timezone
 
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome
 from django_idempotency.kafka.settings import parse_consumers
 from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
+from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 from tests import test_kafka_runner as one_at_a_time
 from tests.kafka_cluster import Cluster
 from tests.test_kafka_runner import consumers  # noqa: F401 - the fixture of the slow proofs
 from tests.test_kafka_runner_fast import (
+    REGRESSION,
     committed,
     effect_ids,
     event,
@@ -101,6 +105,183 @@ def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
     [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
     assert json.loads(dead.value() or b"")["event_id"] == ids[3]
     assert sum(committed(kafka_cluster, settings).values()) == 7
+
+
+class RecordingRunner(ConsumerRunner):
+    """Records the SQL each batch runs (the one-at-a-time messages are not recorded)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[list[str]] = []
+        self.fallbacks = 0
+
+    def _apply_batch(self, messages: list[Message]) -> int:
+        statements: list[str] = []
+        self.batches.append(statements)
+
+        def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+            statements.append(sql)
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(record):
+            return super()._apply_batch(messages)
+
+    def handle(self, message: Message) -> Outcome:
+        if self.batches:
+            self.fallbacks += 1
+        return super().handle(message)
+
+
+def test_a_batch_reserves_its_messages_together_without_a_savepoint_each(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """Regression: each message of a batch took a savepoint (two statements) and, on MariaDB,
+    one more for its reservation's insert, then a read of its counter: seven statements with
+    the handler's insert. Now a batch reserves all its messages in three statements (the
+    processed ones, the insert, their counters), and each message costs its handler alone."""
+    values = [event() for _ in range(12)]
+    produce(kafka_cluster, topic, values)
+    settings = settings_for(kafka_cluster, topic, batch_size=5, event_id_source="json")
+    runner = RecordingRunner(settings, recording_handler([]))
+    runner.run(max_messages=12)
+
+    assert runner.counts == {Outcome.APPLIED: 12}
+    assert runner.batches and runner.fallbacks == 0
+    for statements in runner.batches:
+        handler_inserts = [s for s in statements if "shop_effect" in s]
+        library = [s for s in statements if "django_idempotency_" in s]
+        assert not [s for s in statements if "SAVEPOINT" in s.upper()], statements
+        assert len(library) == 3, library
+        assert len(statements) == len(handler_inserts) + 3
+    assert sum(len(s) - 3 for s in runner.batches) == 12 - 6  # 5 alone and 1 to settle
+    assert sorted(effect_ids()) == sorted(json.loads(v)["event_id"] for v in values)
+
+
+@REGRESSION
+def test_a_batch_skips_what_it_applied_before_and_an_id_it_holds_twice(
+    kafka_cluster: Cluster, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch met again (its offsets lost after its commit), and a producer's retry inside
+    one batch: duplicates, skipped within the batch, with no fallback to one at a time."""
+    values = [event() for _ in range(10)]
+    ids = [json.loads(v)["event_id"] for v in values]
+    applied_before = ids[7]
+    ProcessedEvent.objects.create(
+        consumer="batch-dup", event_id=applied_before, expires_at=timezone.now()
+    )
+    produce(kafka_cluster, topic, [*values, values[8]])
+    settings = settings_for(
+        kafka_cluster, topic, name="batch-dup", batch_size=6, event_id_source="json"
+    )
+    runner = RecordingRunner(settings, recording_handler([]))
+    with caplog.at_level(logging.INFO, "django_idempotency"):
+        runner.run(max_messages=11)
+
+    assert runner.counts == {Outcome.APPLIED: 9, Outcome.DUPLICATE: 2}
+    assert runner.fallbacks == 0
+    assert "rolled back" not in caplog.text
+    assert f"duplicate ignored: event {applied_before}" in caplog.text
+    assert f"duplicate ignored: event {ids[8]}" in caplog.text
+    assert sorted(effect_ids()) == sorted(i for i in ids if i != applied_before)
+    assert sum(committed(kafka_cluster, settings).values()) == 11
+
+
+@REGRESSION
+def test_a_parked_event_in_a_batch_is_dead_lettered_after_the_fallback(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """An event parked before (by an earlier owner) in a batch: the batch refuses it before any
+    handler runs, rolls back, and one at a time the event is dead-lettered, the others
+    applied."""
+    values = [event() for _ in range(9)]
+    ids = [json.loads(v)["event_id"] for v in values]
+    now = timezone.now()
+    EventDelivery.objects.create(
+        consumer="batch-parked",
+        event_id=ids[7],
+        deliveries=3,
+        last_error="RuntimeError: killed it",
+        parked_at=now,
+        expires_at=now,
+    )
+    produce(kafka_cluster, topic, values)
+    seen: list[str] = []
+    settings = settings_for(
+        kafka_cluster, topic, name="batch-parked", batch_size=5, event_id_source="json"
+    )
+    runner = RecordingRunner(settings, recording_handler(seen))
+    runner.run(max_messages=9)
+
+    assert runner.counts == {Outcome.APPLIED: 8, Outcome.DEAD_LETTERED: 1}
+    assert 1 <= runner.fallbacks <= 3  # the batch that held it, one at a time
+    assert ids[7] not in seen
+    assert sorted(effect_ids()) == sorted(i for i in ids if i != ids[7])
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert json.loads(dead.value() or b"")["event_id"] == ids[7]
+    assert dict(dead.headers() or [])["dlq.error"] == b"RuntimeError: killed it"
+
+
+class Died(BaseException):
+    """The consumer's death (SIGKILL, out of memory), in process: no handler catches it."""
+
+
+class Mortal(ConsumerRunner):
+    """A runner whose death commits nothing more: no offset, as after a SIGKILL."""
+
+    dead = False
+
+    def _commit(self, partitions: Any = None) -> None:
+        if not self.dead:
+            super()._commit(partitions)
+
+
+@REGRESSION
+def test_a_killer_behind_batches_whose_offsets_were_not_committed_is_counted_at_once(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """Regression: with COMMIT_INTERVAL, an owner commits batches to the database ahead of
+    their offsets. Its next owner meets those messages again as duplicates, and each one used
+    up a message of its warm-up (the first BATCH_SIZE messages, one at a time and counted), so
+    it batched the messages after the first one it applied, the killer among them: uncounted,
+    the killer took one more owner each time. Only applied messages end the warm-up now: the
+    killer is counted by every owner after the first, and dead-lettered by the fifth."""
+    # Taken three at a time: the killer is the third of its batch, behind two healthy ones.
+    values = [event() for _ in range(8)] + [event(die=True)] + [event() for _ in range(3)]
+    produce(kafka_cluster, topic, values)
+    settings = settings_for(
+        kafka_cluster,
+        topic,
+        batch_size=3,
+        commit_interval=3600.0,
+        event_id_source="json",
+        max_deliveries=3,
+    )
+    deaths = 0
+    while True:
+        runner = Mortal(settings, handler=None)  # type: ignore[arg-type]
+
+        def handler(message: Message, runner: Mortal = runner) -> None:
+            body = json.loads(message.value() or b"")
+            if body.get("die"):
+                runner.dead = True
+                raise Died
+            Effect.objects.create(name="fast", payload=body["event_id"])
+
+        runner.handler = handler
+        try:
+            runner.run(max_messages=len(values))
+        except Died:
+            deaths += 1
+            assert deaths < 7, "the killer was never counted"
+            continue
+        break
+
+    assert deaths == 4  # one in a batch, uncounted; three counted; the fifth dead-letters it
+    assert runner.counts[Outcome.DEAD_LETTERED] == 1
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert dict(dead.headers() or [])["dlq.deliveries"] == b"4"
+    healthy = [json.loads(v)["event_id"] for v in values if b'"die"' not in v]
+    assert Counter(effect_ids()) == Counter(healthy)
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "10", 1.5, 10_001])

@@ -29,7 +29,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency.checks import check_settings
-from django_idempotency.events.core import try_reserve
+from django_idempotency.events.core import process_first_deliveries, try_reserve
 from django_idempotency.models import ProcessedEvent
 from django_idempotency.retention import partitioning
 
@@ -525,3 +525,28 @@ def test_two_maintenance_runs_at_once_do_not_collide(committed_partitions: None)
     assert len(created) == len(set(created))  # each partition made once
     assert partitioning.partition_name(far) in partition_names()
     assert partitioning.ensure_partitions("default", now=far, ahead=1) == []
+
+
+@pytest.mark.postgres
+def test_a_kafka_batch_reserves_one_event_at_a_time_in_the_partitioned_layout(
+    partitioned: None,
+) -> None:
+    """process_first_deliveries (the Kafka runner's batch mode) reserves a batch together on the
+    default layout only; here each event goes through process_event, its row keyed by its own
+    partition column, and a repeated id is a duplicate."""
+    moment = datetime(2026, 3, 4, 5, 6, tzinfo=UTC)
+    first, second = uuid7_at(moment), uuid7_at(moment + DAY)
+    ran: list[str] = []
+    with transaction.atomic():
+        results = process_first_deliveries(
+            "billing", [(e, lambda e=e: ran.append(e)) for e in (first, second, first)]
+        )
+    assert [r.applied for r in results] == [True, True, False]
+    assert ran == [first, second]
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT event_id, occurred_at FROM {TABLE} ORDER BY occurred_at")
+        rows = cursor.fetchall()
+    assert rows == [
+        (first, partitioning.partition_time(first)),
+        (second, partitioning.partition_time(second)),
+    ]

@@ -47,10 +47,10 @@ MIDDLEWARE = [
     "bench.benchproject.middleware.BenchUserMiddleware",
 ]
 
-_database_url = os.environ.get(
+DATABASE_URL = os.environ.get(
     "BENCH_DATABASE_URL", f"postgres://postgres@127.0.0.1:5432/idempotency_bench_{VARIANT}"
 )
-DATABASES = {"default": environ.Env.db_url_config(_database_url)}
+DATABASES = {"default": environ.Env.db_url_config(DATABASE_URL)}
 if DATABASES["default"]["ENGINE"] != "django.db.backends.sqlite3":
     # Persistent connections, as a production deployment would have (or a pooler).
     DATABASES["default"]["CONN_MAX_AGE"] = 600

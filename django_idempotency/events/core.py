@@ -61,7 +61,7 @@ signals) reads in order, top to bottom, as the delivery goes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 
@@ -97,6 +97,7 @@ __all__ = [
     "normalize_event_id",
     "park_message",
     "process_event",
+    "process_first_deliveries",
     "try_reserve",
 ]
 
@@ -439,6 +440,75 @@ def process_event(
     else:
         telemetry.delivery(name, "applied")
     return Processed(applied, result)
+
+
+def process_first_deliveries(
+    consumer: str,
+    items: Sequence[tuple[EventId, Callable[[], T]]],
+    *,
+    topic: str | None = None,
+    ttl: timedelta | float | None = None,
+    using: str | None = None,
+) -> list[Processed[T]]:
+    """Run each body once per ``(consumer, event_id)``, all in the caller's transaction: a batch
+    of first deliveries (:func:`process_event` with ``redelivered=False``, for many at once).
+
+    It must run inside ``transaction.atomic(using=...)``, which the caller commits or rolls back
+    as one. Each event still gets its own reservation, in that transaction with its body's
+    effects; an event processed before is a duplicate (``Processed(False, None)``, logged and
+    signalled), and so is a second occurrence of an id in ``items``. The reservations are made
+    for all of them up front, in a few statements
+    (:func:`~django_idempotency.events.store.reserve_first_deliveries`), and the bodies then run
+    without a savepoint each: any exception (a body's, a database error, a reservation that
+    another transaction made meanwhile, or :class:`EventParked` for an event found parked)
+    propagates, and the caller must roll the whole transaction back and process the events one
+    at a time with :func:`process_event`, which counts, isolates and parks. Nothing is counted
+    here, as for any first delivery.
+
+    On PostgreSQL's partitioned layout (``EVENT_PARTITIONS``) the events are processed one
+    after another with :func:`process_event`, in a savepoint each.
+    """
+    name = checked_name("consumer name", consumer)
+    topic_value = _checked_topic(topic)
+    alias = _alias(using)
+    events = [normalize_event_id(event_id) for event_id, _ in items]
+    connection = connections[alias]
+    if not connection.in_atomic_block:
+        raise TransactionManagementError(
+            f"process_first_deliveries() must run inside transaction.atomic(using={alias!r}): "
+            "its caller rolls back all of it when one event fails."
+        )
+    if not events:
+        return []
+    layout = event_store.sql_layout(connection, events[0])
+    if layout is not None and layout.columns:
+        return [
+            process_event(
+                name, event, body, topic=topic_value, ttl=ttl, using=alias, redelivered=False
+            )
+            for event, (_, body) in zip(events, items, strict=True)
+        ]
+    now = timezone.now()
+    distinct = list(dict.fromkeys(events))
+    states = telemetry.traced("idempotency.reserve")(event_store.reserve_first_deliveries)(
+        connection, name, distinct, topic_value, now, now + _ttl(ttl)
+    )
+    parked = [event for event in distinct if states[event] == PARKED]
+    if parked:
+        raise EventParked(
+            f"{len(parked)} event(s) of the batch for consumer {name!r} are parked, among "
+            f"them {parked[0]}: process the batch one event at a time."
+        )
+    results: list[Processed[T]] = []
+    for event, (_, body) in zip(events, items, strict=True):
+        if states[event] == RESERVED:
+            states[event] = PROCESSED  # a second occurrence in the batch is a duplicate
+            results.append(Processed(True, body()))
+            telemetry.delivery(name, "applied")
+        else:
+            _duplicate_ignored(event, name, topic_value)
+            results.append(Processed(False, None))
+    return results
 
 
 def _reject_parked(event: str, consumer: str, topic: str, count: int | None) -> NoReturn:

@@ -48,7 +48,11 @@ from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
 from django_idempotency.conf import conf, consumer_settings
-from django_idempotency.events.core import normalize_event_id, process_event
+from django_idempotency.events.core import (
+    normalize_event_id,
+    process_event,
+    process_first_deliveries,
+)
 from django_idempotency.exceptions import EventParked, MissingEventId, log_text
 from django_idempotency.extras import missing_extra
 from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
@@ -204,8 +208,8 @@ class ConsumerRunner:
         owner ever saw their later messages, so those are first deliveries (see process())."""
         self._committed_at = time.monotonic()
         self._warmup: dict[tuple[str, int], int] = {}
-        """Batch mode: messages each partition still takes one at a time, counted, since it
-        was assigned here (see handle_batch())."""
+        """Batch mode: how many messages each partition must still apply one at a time, each
+        counted, since it was assigned here, before it settles (see handle_batch())."""
         self._paused: dict[tuple[str, int], float] = {}
         """Partitions paused after a failed message, with when to resume them."""
         self._assigned: set[tuple[str, int]] = set()
@@ -311,11 +315,14 @@ class ConsumerRunner:
             self._retry_at(topic, partition, offset)
         else:
             key = (topic, partition)
-            warming = self._warmup.get(key, 0)
-            if warming:
-                self._warmup[key] = warming - 1
-            elif outcome is Outcome.APPLIED:
-                self._settled.add(key)
+            # Only an applied message counts: a duplicate (an earlier owner applied it) or a
+            # dead letter leaves the warm-up as it is (see handle_batch()).
+            if outcome is Outcome.APPLIED:
+                warming = self._warmup.get(key, 0)
+                if warming:
+                    self._warmup[key] = warming - 1
+                else:
+                    self._settled.add(key)
             self._done[topic, partition] = offset + 1
             self._commit_if_due()
         return outcome
@@ -324,11 +331,14 @@ class ConsumerRunner:
         """Batch mode: apply each partition's messages in one transaction; how many were
         handled (the rest come again: their partition was sought back after a failure).
 
-        A partition newly assigned here takes its first ``BATCH_SIZE`` messages one at a time,
-        each counted, then one at a time until one is applied (see :meth:`process`). An
-        earlier owner that died inside a batch died within the ``BATCH_SIZE`` messages after
-        its last offset commit, so a message that kills every owner is always among the
-        counted ones, and is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch.
+        A partition newly assigned here takes its messages one at a time, each counted, until
+        it has applied ``BATCH_SIZE`` of them and one more (see :meth:`process`). An earlier
+        owner that died inside a batch died within the ``BATCH_SIZE`` messages after the last
+        one it applied; those are the first messages this owner does not find applied
+        already, so a message that kills every owner is always among the counted ones, and
+        is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch. Duplicates (the
+        earlier owner's batches that committed before their offsets, with
+        ``COMMIT_INTERVAL``) do not count towards the ``BATCH_SIZE``.
         """
         by_partition: dict[tuple[str, int], list[Message]] = {}
         for message in messages:
@@ -349,7 +359,6 @@ class ConsumerRunner:
         """One transaction for ``messages`` (one partition, in order), one reservation each,
         then their offsets; on any failure, a rollback and the same messages one at a time."""
         settings = self.settings
-        outcomes: list[Outcome] = []
         try:
             ids = [event_id_of(message, settings) for message in messages]
 
@@ -358,17 +367,17 @@ class ConsumerRunner:
                 return f"a batch of {len(messages)}, {first} to {last}"
 
             with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
-                for message, event_id in zip(messages, ids, strict=True):
-                    processed = process_event(
-                        settings.name,
-                        event_id,
-                        lambda message=message: self.handler(message),  # type: ignore[misc]
-                        topic=message.topic(),
-                        max_deliveries=settings.max_deliveries,
-                        redelivered=False,  # a settled partition: first deliveries
-                        using=conf.DATABASE,
-                    )
-                    outcomes.append(Outcome.APPLIED if processed.applied else Outcome.DUPLICATE)
+                # A settled partition: first deliveries, reserved together up front.
+                processed = process_first_deliveries(
+                    settings.name,
+                    [
+                        (event_id, lambda message=message: self.handler(message))
+                        for message, event_id in zip(messages, ids, strict=True)
+                    ],
+                    topic=messages[0].topic(),
+                    using=conf.DATABASE,
+                )
+            outcomes = [Outcome.APPLIED if p.applied else Outcome.DUPLICATE for p in processed]
         except Exception:  # logged; the messages are then applied one at a time
             logger.warning(
                 "batch of %d messages rolled back, applying them one at a time: consumer %s, "

@@ -97,14 +97,14 @@ class ConsumerSettings:
     """Messages of one partition applied in one database transaction (batch mode, when above
     1). One at a time (1, the default), each message has a transaction of its own, as its
     handler may assume. In batch mode up to ``BATCH_SIZE`` messages of a partition share one
-    transaction, each with its own reservation (a savepoint), and one offset commit follows
-    it: far fewer commits, for handlers that assume no transaction of their own (their
-    ``on_commit`` callbacks run when the whole batch commits, and a rollback of the batch
-    undoes them all). A failure rolls the batch back and the runner applies those messages one
-    at a time, so a poison message is isolated, counted and dead-lettered as with
-    ``BATCH_SIZE=1``. A partition is batched only once it has applied a message since it was
-    assigned here, so a message that kills its consumer is always met one at a time, counted,
-    and parked."""
+    transaction, each with its own reservation (a batch's reservations are made together,
+    before its first handler runs), and one offset commit follows it: far fewer commits, for
+    handlers that assume no transaction of their own (their ``on_commit`` callbacks run when
+    the whole batch commits, and a rollback of the batch undoes them all). A failure rolls the
+    batch back and the runner applies those messages one at a time, so a poison message is
+    isolated, counted and dead-lettered as with ``BATCH_SIZE=1``. A partition is batched only
+    once it has applied a message since it was assigned here, so a message that kills its
+    consumer is always met one at a time, counted, and parked."""
     handler_timeout: float = MAX_POLL_INTERVAL_MS / 1000
     """Seconds one message's handler (one batch's, in batch mode) may run, with its
     transaction, before the runner ends its process (``os._exit``) so that its supervisor
