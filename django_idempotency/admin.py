@@ -428,7 +428,7 @@ class PurgeExpiredMixin(ReadOnlyLogAdmin):
     change_list_template = "django_idempotency/admin/change_list.html"
     actions = ["purge_expired"]
 
-    def get_ordering(self, request: HttpRequest) -> Sequence[str]:
+    def get_ordering(self, request: HttpRequest) -> list[str] | tuple[str, ...]:
         """With the *expired* filter, the most recently expired first, through the
         ``expires_at`` index. Expired rows are the oldest: newest first by creation (or id),
         a page walked the index past every live row to find them (0.25 s at a million rows,

@@ -33,6 +33,7 @@ the offset) spans them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -371,7 +372,7 @@ class ConsumerRunner:
                 processed = process_first_deliveries(
                     settings.name,
                     [
-                        (event_id, lambda message=message: self.handler(message))
+                        (event_id, functools.partial(self.handler, message))
                         for message, event_id in zip(messages, ids, strict=True)
                     ],
                     topic=messages[0].topic(),
