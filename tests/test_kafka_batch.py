@@ -147,13 +147,16 @@ def test_a_batch_reserves_its_messages_together_without_a_savepoint_each(
 
     assert runner.counts == {Outcome.APPLIED: 12}
     assert runner.batches and runner.fallbacks == 0
-    for statements in runner.batches:
+    for batch in runner.batches:
+        # SQLite's transaction begins with a statement of its own; it is no reservation's.
+        statements = [s for s in batch if s.upper() != "BEGIN"]
         handler_inserts = [s for s in statements if "shop_effect" in s]
         library = [s for s in statements if "django_idempotency_" in s]
         assert not [s for s in statements if "SAVEPOINT" in s.upper()], statements
         assert len(library) == 3, library
         assert len(statements) == len(handler_inserts) + 3
-    assert sum(len(s) - 3 for s in runner.batches) == 12 - 6  # 5 alone and 1 to settle
+    # 5 alone and 1 to settle: the other 6 messages were batched, one handler insert each.
+    assert sum(len([s for s in b if "shop_effect" in s]) for b in runner.batches) == 12 - 6
     assert sorted(effect_ids()) == sorted(json.loads(v)["event_id"] for v in values)
 
 
