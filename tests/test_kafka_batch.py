@@ -120,7 +120,8 @@ class RecordingRunner(ConsumerRunner):
         self.batches.append(statements)
 
         def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-            statements.append(sql)
+            if sql != "BEGIN":  # SQLite's, sent as a statement (psycopg and mysqlclient's not)
+                statements.append(sql)
             return execute(sql, params, many, context)
 
         with connection.execute_wrapper(record):
