@@ -5,17 +5,19 @@ made meanwhile) raised for the caller to roll back and go one event at a time.""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import DatabaseError, IntegrityError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
 from django_idempotency import signals, try_reserve
-from django_idempotency.events.core import process_first_deliveries
+from django_idempotency.events.core import count_delivery, process_first_deliveries
+from django_idempotency.events.store import fail_reserved
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
@@ -144,7 +146,25 @@ def test_more_events_than_one_statement_takes(statements: list[str]) -> None:
         process_first_deliveries("ledger", [(e, lambda: None) for e in events])
     assert ProcessedEvent.objects.count() == 1203
     inserts = [s for s in statements if s.startswith("INSERT")]
-    assert len(inserts) == 3  # 500 rows per statement
+    # 500 rows per statement; 199 on SQLite (999 values, Django's bound there)
+    assert len(inserts) == (7 if connection.vendor == "sqlite" else 3)
+
+
+@pytest.mark.sqlite
+def test_a_batch_fits_the_999_values_of_sqlite_before_3_32() -> None:
+    """Regression: 500 rows of five values, 2,500 in one statement, where SQLite before 3.32
+    (Ubuntu 20.04's 3.31, which Django 5.2 supports) binds at most 999: every batch of more
+    than 199 events failed with "too many SQL variables", and the Kafka runner fell back to
+    one message at a time each time. This SQLite binds 32,766: the test lowers its limit."""
+    with transaction.atomic():
+        raw = connection.connection
+        assert raw is not None
+        before = raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 999)
+        try:
+            process_first_deliveries("ledger", [(f"e{i}", lambda: None) for i in range(450)])
+        finally:
+            raw.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, before)
+    assert ProcessedEvent.objects.count() == 450
 
 
 def test_outside_a_transaction_it_refuses() -> None:
@@ -193,3 +213,80 @@ def test_bodies_run_in_order_after_all_reservations() -> None:
     with transaction.atomic():
         process_first_deliveries("ledger", [(e, body(e)) for e in ("x", "y")])
     assert order == ["x:['x', 'y']", "y:['x', 'y']"]
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+@pytest.mark.mysql
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_an_event_parked_while_the_insert_waits_is_refused(
+    threads: Threads,  # noqa: F811
+    isolation: str,
+) -> None:
+    """Regression: the batch's first read (of the processed events) fixed the snapshot under
+    REPEATABLE READ on MariaDB (the server's default, where OPTIONS asks for it), and the
+    counters were read in it after the insert had waited for a failed delivery that parked
+    the event and gave its reservation up (``_fail_first_delivery``): the parked event ran,
+    and was marked processed. On MariaDB the counters are a locking read now, which reads
+    the latest committed rows whatever the isolation level."""
+    if isolation != "read committed" and connection.vendor != "mysql":
+        pytest.skip("PostgreSQL reads a first delivery's counter in the snapshot at that level")
+    held, release = threading.Event(), threading.Event()
+
+    def failed_delivery() -> None:  # what _fail_first_delivery does, held open a while
+        with transaction.atomic():
+            assert try_reserve("poison", "ledger")
+            held.set()
+            release.wait(JOIN_TIMEOUT)
+            count_delivery("poison", "ledger")
+            fail_reserved("default", "ledger", "poison", RuntimeError("died"), park=True)
+
+    ran: list[str] = []
+    try:
+        if isolation != "read committed":
+            with connection.cursor() as cursor:
+                cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        threads.start(failed_delivery)
+        assert held.wait(JOIN_TIMEOUT)
+        threading.Timer(0.5, release.set).start()
+        with pytest.raises(EventParked), transaction.atomic():
+            process_first_deliveries("ledger", [(e, effect(e, ran)) for e in ("a", "poison")])
+        threads.join()
+    finally:
+        connection.close()  # the next test's connection has the configured isolation level
+    assert release.is_set()  # the insert waited for the failed delivery
+    assert ran == []
+    assert not ProcessedEvent.objects.exists()
+    [parked] = EventDelivery.objects.all()
+    assert parked.parked_at is not None and parked.last_error == "RuntimeError: died"
+
+
+@pytest.mark.parametrize("how", ["set_rollback", "an error caught without a savepoint"])
+def test_a_body_that_leaves_the_transaction_unable_to_commit_refuses_the_batch(how: str) -> None:
+    """Regression: each event had a savepoint, whose release failed once a body had aborted
+    the transaction (PostgreSQL) or marked it for rollback, and the batch fell back to one
+    event at a time. Without savepoints, the batch's COMMIT rolled every event back without
+    an error, and the Kafka runner committed their offsets: the whole batch lost."""
+    if how != "set_rollback" and connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL aborts a transaction on a failed statement")
+
+    def doom() -> None:
+        if how == "set_rollback":
+            transaction.set_rollback(True)
+            return
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 / 0")
+        except DatabaseError:
+            pass  # the handler's bug: the transaction stays aborted
+
+    ran: list[str] = []
+    with (
+        pytest.raises(TransactionManagementError, match="unable to commit"),
+        transaction.atomic(),
+    ):
+        process_first_deliveries(
+            "ledger", [("a", effect("a", ran)), ("b", doom), ("c", effect("c", ran))]
+        )
+    assert ran == ["a"]
+    assert ProcessedEvent.objects.count() == 0

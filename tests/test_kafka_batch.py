@@ -120,7 +120,8 @@ class RecordingRunner(ConsumerRunner):
         self.batches.append(statements)
 
         def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-            statements.append(sql)
+            if sql != "BEGIN":  # SQLite's, sent as a statement (psycopg and mysqlclient's not)
+                statements.append(sql)
             return execute(sql, params, many, context)
 
         with connection.execute_wrapper(record):
@@ -287,6 +288,34 @@ def test_a_killer_behind_batches_whose_offsets_were_not_committed_is_counted_at_
     assert Counter(effect_ids()) == Counter(healthy)
 
 
+@REGRESSION
+def test_a_handler_that_dooms_the_transaction_costs_the_batch_no_message(
+    kafka_cluster: Cluster, topic: str
+) -> None:
+    """Regression: a handler that marks the transaction for rollback without raising
+    (``set_rollback(True)``, or on PostgreSQL an error it catches without a savepoint) made
+    the batch's COMMIT roll back every message of the batch, silently, and their offsets were
+    committed: all lost. The batch goes one message at a time now, where such a handler
+    costs its own message only (as with BATCH_SIZE=1)."""
+    values = [event() for _ in range(5)] + [event(doom=True)] + [event() for _ in range(3)]
+    produce(kafka_cluster, topic, values)
+    ids = [json.loads(v)["event_id"] for v in values]
+
+    def handler(message: Message) -> None:
+        body = json.loads(message.value() or b"{}")
+        Effect.objects.create(name="fast", payload=body["event_id"])
+        if body.get("doom"):
+            transaction.set_rollback(True)
+
+    settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
+    runner = RecordingRunner(settings, handler)
+    runner.run(max_messages=len(values))
+
+    assert runner.fallbacks >= 1
+    assert sorted(effect_ids()) == sorted(i for i in ids if i != ids[5])
+    assert sum(committed(kafka_cluster, settings).values()) == len(values)
+
+
 @pytest.mark.parametrize("value", [0, -1, True, "10", 1.5, 10_001])
 def test_batch_size_is_validated(value: Any) -> None:
     entry = {
@@ -310,14 +339,27 @@ def test_batch_size_defaults_to_one_message_per_transaction() -> None:
 
 @pytest.fixture
 def batched(consumers: Any) -> Any:  # noqa: F811 - the imported fixture
-    """The slow proofs' consumers, in batch mode (BATCH_SIZE=50)."""
+    """The slow proofs' consumers, in batch mode (BATCH_SIZE=50 unless ``env`` says)."""
 
     def start(**env: str) -> Any:
-        return consumers(SHOP_KAFKA_BATCH_SIZE="50", **env)
+        return consumers(**{"SHOP_KAFKA_BATCH_SIZE": "50", **env})
 
     start.topic = consumers.topic  # type: ignore[attr-defined]
     start.group = consumers.group  # type: ignore[attr-defined]
     return start
+
+
+SMALL_BATCH = {"SHOP_KAFKA_BATCH_SIZE": "3"}
+"""BATCH_SIZE=3: a new owner takes its first four messages one at a time (three, and one more
+to settle), then the next ones in batches."""
+
+
+def batch_mates(event_id: str) -> set[str]:
+    """The events reserved in the same batch as ``event_id``: a batch's reservations share one
+    ``processed_at``, where each message alone takes its own."""
+    rows = ProcessedEvent.objects.filter(consumer="shop.kafka")
+    stamp = rows.get(event_id=event_id).processed_at
+    return set(rows.filter(processed_at=stamp).values_list("event_id", flat=True))
 
 
 @pytest.mark.slow
@@ -327,21 +369,27 @@ def test_batch_killed_after_the_database_commit_before_the_offset_commit(
     kafka_cluster: Cluster, batched: Any, tmp_path: Path
 ) -> None:
     """A batch commits, then its consumer is SIGKILLed before the offset commit: the next
-    consumer meets every message of the batch again and skips each as a duplicate."""
+    consumer meets every message of the batch again and skips each as a duplicate.
+    Regression (of the test): with BATCH_SIZE=50 its seven messages never left the new
+    owner's warm-up, so no batch ran; four warm-up messages go first now."""
+    warm_up = one_at_a_time.events(4)
     first, paused, *after = one_at_a_time.events(7)
     paused["behaviour"] = "pause_after_commit"
-    kafka_cluster.produce(batched.topic, [first, paused, *after], key=lambda e: "one")
-    consumer = batched(SHOP_KAFKA_PAUSE_DIR=str(tmp_path))
+    every = [*warm_up, first, paused, *after]
+    kafka_cluster.produce(batched.topic, every, key=lambda e: "one")
+    consumer = batched(SHOP_KAFKA_PAUSE_DIR=str(tmp_path), **SMALL_BATCH)
     one_at_a_time.wait_for_file(tmp_path / f"{paused['event_id']}.committed", consumer)
     consumer.kill()
 
-    in_batch = set(one_at_a_time.effects()) - {first["event_id"]}
-    assert paused["event_id"] in in_batch
-    assert kafka_cluster.backlog(batched.topic, batched.group) == 6  # the first one's only
+    in_batch = batch_mates(paused["event_id"])
+    assert len(in_batch) >= 2, in_batch  # a batch, not one message alone
+    assert not in_batch & {e["event_id"] for e in warm_up}
+    # The warm-up's offsets, and maybe the first's (a batch of its own); not the batch's.
+    assert kafka_cluster.backlog(batched.topic, batched.group) in (6, 7)
 
     second = batched()
     kafka_cluster.wait_caught_up(batched.topic, batched.group)
-    assert one_at_a_time.effects() == Counter(e["event_id"] for e in [first, paused, *after])
+    assert one_at_a_time.effects() == Counter(e["event_id"] for e in every)
     assert second.terminate() == 0
     for event_id in in_batch:
         assert f"duplicate ignored: event {event_id}" in second.output()
@@ -364,14 +412,17 @@ def test_batch_poison_message_is_dead_lettered_and_the_consumer_goes_on(
 def test_batch_message_that_kills_its_consumer_is_dead_lettered(
     kafka_cluster: Cluster, batched: Any
 ) -> None:
-    """A killer inside a batch: each new owner takes its first BATCH_SIZE messages one at a
-    time and counted, so the killer is counted on every death and parked after
-    MAX_DELIVERIES (3) of them; the messages around it are applied once."""
-    before, after = one_at_a_time.events(2), one_at_a_time.events(2)
+    """A killer inside a batch (the sixth message, behind four warm-up ones): its first death
+    kills the batch, uncounted; each next owner takes its first BATCH_SIZE messages it has
+    to apply one at a time and counted, so the killer is counted on every later death and
+    parked after MAX_DELIVERIES (3) of them; the messages around it are applied once.
+    Regression (of the test): with BATCH_SIZE=50 its five messages never left the warm-up,
+    so the killer never met a batch."""
+    before, after = one_at_a_time.events(5), one_at_a_time.events(2)
     [killer] = one_at_a_time.events(1, behaviour="die")
     kafka_cluster.produce(batched.topic, [*before, killer, *after], key=lambda e: "one")
-    deaths, consumer = one_at_a_time.until_one_survives(batched, applied=4)
-    assert deaths == 3
+    deaths, consumer = one_at_a_time.until_one_survives(batched, applied=7, **SMALL_BATCH)
+    assert deaths == 4  # one in a batch, uncounted; three counted; the fifth dead-letters it
     kafka_cluster.wait_caught_up(batched.topic, batched.group)
 
     assert one_at_a_time.effects() == Counter(e["event_id"] for e in [*before, *after])
@@ -420,6 +471,16 @@ def test_batch_that_hangs_ends_its_consumer_and_the_message_is_dead_lettered(
 def test_batch_two_consumers_through_rebalances_apply_each_event_once(
     kafka_cluster: Cluster, batched: Any
 ) -> None:
-    one_at_a_time.test_two_consumers_through_rebalances_apply_each_event_once(
-        kafka_cluster, batched
+    """BATCH_SIZE=3: each partition's fifteen messages a round go past the warm-up, in
+    batches. (With BATCH_SIZE=50 none did: no batch met a rebalance.)"""
+
+    def small(**env: str) -> Any:
+        return batched(**{**SMALL_BATCH, **env})
+
+    small.topic = batched.topic  # type: ignore[attr-defined]
+    small.group = batched.group  # type: ignore[attr-defined]
+    one_at_a_time.test_two_consumers_through_rebalances_apply_each_event_once(kafka_cluster, small)
+    stamps = Counter(
+        ProcessedEvent.objects.filter(consumer="shop.kafka").values_list("processed_at", flat=True)
     )
+    assert max(stamps.values()) >= 2  # some messages shared a batch

@@ -460,10 +460,12 @@ def process_first_deliveries(
     for all of them up front, in a few statements
     (:func:`~django_idempotency.events.store.reserve_first_deliveries`), and the bodies then run
     without a savepoint each: any exception (a body's, a database error, a reservation that
-    another transaction made meanwhile, or :class:`EventParked` for an event found parked)
-    propagates, and the caller must roll the whole transaction back and process the events one
-    at a time with :func:`process_event`, which counts, isolates and parks. Nothing is counted
-    here, as for any first delivery.
+    another transaction made meanwhile, :class:`EventParked` for an event found parked, or
+    ``TransactionManagementError`` after a body that left the transaction unable to commit
+    without raising: an error it caught without a savepoint on PostgreSQL, or
+    ``set_rollback(True)``) propagates, and the caller must roll the whole transaction back
+    and process the events one at a time with :func:`process_event`, which counts, isolates
+    and parks. Nothing is counted here, as for any first delivery.
 
     On PostgreSQL's partitioned layout (``EVENT_PARTITIONS``) the events are processed one
     after another with :func:`process_event`, in a savepoint each.
@@ -504,6 +506,13 @@ def process_first_deliveries(
         if states[event] == RESERVED:
             states[event] = PROCESSED  # a second occurrence in the batch is a duplicate
             results.append(Processed(True, body()))
+            if event_store.transaction_doomed(connection):
+                # Its COMMIT would roll every event of the batch back, silently.
+                raise TransactionManagementError(
+                    f"the body of event {event} for consumer {name!r} left the transaction "
+                    "unable to commit (an error caught without a savepoint, or set_rollback): "
+                    "process the batch one event at a time."
+                )
             telemetry.delivery(name, "applied")
         else:
             _duplicate_ignored(event, name, topic_value)

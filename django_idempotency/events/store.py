@@ -119,8 +119,20 @@ def reserve(
 
 
 CHUNK = 500
-"""Rows per statement of :func:`reserve_first_deliveries` (SQLite binds at most 32,766 values
-in one statement; ``BATCH_SIZE`` goes up to 10,000 messages)."""
+"""Rows per statement of :func:`reserve_first_deliveries`, at most (``BATCH_SIZE`` goes up to
+10,000 messages); fewer where the backend binds fewer values (:func:`chunk_size`)."""
+
+ROW_VALUES = 5
+"""Values one reservation's row binds (:func:`_row`)."""
+
+
+def chunk_size(connection: BaseDatabaseWrapper) -> int:
+    """Rows per statement of :func:`reserve_first_deliveries` on ``connection``: :data:`CHUNK`,
+    or what fits Django's bound on a statement's values (SQLite's 999: SQLite before 3.32,
+    Ubuntu 20.04's 3.31 among them, binds no more, and the insert failed there with "too many
+    SQL variables" on every batch of more than 199 messages)."""
+    limit = connection.features.max_query_params
+    return CHUNK if not limit else max(1, min(CHUNK, limit // ROW_VALUES))
 
 
 def reserve_first_deliveries(
@@ -136,8 +148,9 @@ def reserve_first_deliveries(
 
     What :func:`reserve` with ``first_delivery`` does for one event, for many: one read of the
     events processed already, one multi-row ``INSERT`` of the others, then one read of their
-    counters (after the insert, as in :func:`reserve`), and an update that clears the errors
-    earlier deliveries left, if any. (Per :data:`CHUNK` events.)
+    counters (after the inserts, as in :func:`reserve`; on MySQL/MariaDB a locking read, for
+    ``REPEATABLE READ``), and an update that clears the errors earlier deliveries left, if
+    any. (Per :func:`chunk_size` events.)
 
     The insert is a plain one: no ``ON CONFLICT``, no ``INSERT IGNORE``, no savepoint. An event
     another transaction reserved after the read raises the duplicate-key ``IntegrityError``
@@ -146,8 +159,10 @@ def reserve_first_deliveries(
     case, never for the unique constraint to hold.
     """
     states: dict[str, str] = {}
-    for start in range(0, len(events), CHUNK):
-        chunk = events[start : start + CHUNK]
+    reserved: list[list[str]] = []
+    size = chunk_size(connection)
+    for start in range(0, len(events), size):
+        chunk = events[start : start + size]
         processed = set(
             ProcessedEvent.objects.using(connection.alias)
             .filter(consumer=name, event_id__in=chunk)
@@ -168,15 +183,24 @@ def reserve_first_deliveries(
         with connection.cursor() as cursor:
             cursor.execute(f"{head} VALUES {', '.join([values] * len(new))}", params)
         states.update(dict.fromkeys(new, RESERVED))
-        reserved = set(new)
+        reserved.append(new)
+    # The counters are read once every insert is done (each may have waited for a delivery
+    # that held one of the events), and on MySQL/MariaDB by a locking read, which reads the
+    # latest committed rows: under REPEATABLE READ a plain read would see the snapshot the
+    # read of the processed events fixed before those waits, and miss a counter that a
+    # failed delivery parked meanwhile (_fail_first_delivery). Reading them after all the
+    # inserts also keeps a read's locks from being taken before a later insert waits.
+    for new in reserved:
         counters = EventDelivery.objects.using(connection.alias).filter(
             consumer=name, event_id__in=new
         )
+        rows = counters.select_for_update() if connection.vendor == "mysql" else counters
+        mine = set(new)
         errors = []
-        for event, parked_at, last_error in counters.values_list(
+        for event, parked_at, last_error in rows.values_list(
             "event_id", "parked_at", "last_error"
         ):
-            if event not in reserved:
+            if event not in mine:
                 # Equal to one of ``new`` only by the column's collation (case, trailing
                 # spaces): which one is unclear, so all of them are refused, and the caller
                 # processes them one at a time, each with its own read.
@@ -188,6 +212,24 @@ def reserve_first_deliveries(
         if errors:
             counters.filter(event_id__in=errors).update(last_error="")
     return states
+
+
+PQTRANS_INERROR = 3
+"""libpq's transaction status of a transaction that a failed statement aborted (psycopg 3's
+``TransactionStatus.INERROR``, psycopg2's ``TRANSACTION_STATUS_INERROR``)."""
+
+
+def transaction_doomed(connection: BaseDatabaseWrapper) -> bool:
+    """Whether the open transaction can only roll back, though no exception says so: marked by
+    ``transaction.set_rollback(True)`` (or an error that left an inner ``atomic`` without a
+    savepoint), or, on PostgreSQL, aborted by a failed statement whose error was caught. Its
+    ``COMMIT`` then rolls back without an error. No query: what Django and the driver know."""
+    if connection.needs_rollback:
+        return True
+    raw = connection.connection
+    if connection.vendor != "postgresql" or raw is None:
+        return False
+    return int(raw.info.transaction_status) == PQTRANS_INERROR
 
 
 def _row(name: str, event: str, topic: str, now: datetime, expires: datetime) -> dict[str, Any]:
