@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from django.db import (
+    DatabaseError,
     IntegrityError,
     OperationalError,
     connection,
@@ -473,6 +474,42 @@ def test_an_error_text_no_database_stores_is_kept_escaped(redelivered: bool | No
 
 
 # --- process_event ------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize(
+    "redelivered", [False, True, None], ids=["first", "redelivered", "unknown"]
+)
+@pytest.mark.parametrize("how", ["set_rollback", "an error caught without a savepoint"])
+def test_a_body_that_leaves_the_transaction_unable_to_commit_is_a_failed_delivery(
+    how: str, redelivered: bool | None
+) -> None:
+    """Regression: a body that marked the transaction for rollback without raising (or, on
+    PostgreSQL, caught a failed statement's error without a savepoint) returned as applied,
+    while its COMMIT rolled the effect and the reservation back without an error: the caller
+    acked a message that took no effect. It is a failed delivery now: raised and counted."""
+    if how != "set_rollback" and connection.vendor != "postgresql":
+        pytest.skip("only PostgreSQL aborts a transaction on a failed statement")
+
+    def body() -> None:
+        Effect.objects.create(name="doomed", payload={})
+        if how == "set_rollback":
+            transaction.set_rollback(True)
+            return
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 / 0")
+        except DatabaseError:
+            pass  # the handler's bug: the transaction stays aborted
+
+    with pytest.raises(TransactionManagementError, match="unable to commit"):
+        process_event("ledger", "evt-doomed", body, redelivered=redelivered)
+    assert not Effect.objects.exists()
+    assert not ProcessedEvent.objects.exists()
+    [delivery] = EventDelivery.objects.all()
+    # Counted as a body that raises is: a redelivery counts the delivery before it too.
+    assert delivery.deliveries == (2 if redelivered else 1)
+    assert "unable to commit" in delivery.last_error
 
 
 @pytest.mark.django_db

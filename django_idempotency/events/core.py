@@ -412,6 +412,14 @@ def process_event(
             else:
                 applied = True
                 result = body()
+                if event_store.transaction_doomed(connections[alias]):
+                    # Its COMMIT would roll the effect and the reservation back without an
+                    # error, and the caller would ack a message that took no effect.
+                    raise TransactionManagementError(
+                        f"the body of event {event} for consumer {name!r} left the transaction "
+                        "unable to commit (an error caught without a savepoint, or "
+                        "set_rollback(True)): it is a failed delivery, retried and counted."
+                    )
                 if delivery is not None and delivery.count > 1:
                     event_store.clear_error(delivery, alias)
     except _ParkInstead:
