@@ -295,8 +295,9 @@ def test_a_handler_that_dooms_the_transaction_costs_the_batch_no_message(
     """Regression: a handler that marks the transaction for rollback without raising
     (``set_rollback(True)``, or on PostgreSQL an error it catches without a savepoint) made
     the batch's COMMIT roll back every message of the batch, silently, and their offsets were
-    committed: all lost. The batch goes one message at a time now, where such a handler
-    costs its own message only (as with BATCH_SIZE=1)."""
+    committed: all lost. The batch goes one message at a time now, where such a message is a
+    failed delivery (as with BATCH_SIZE=1): dead-lettered after MAX_DELIVERIES, the others
+    applied once each."""
     values = [event() for _ in range(5)] + [event(doom=True)] + [event() for _ in range(3)]
     produce(kafka_cluster, topic, values)
     ids = [json.loads(v)["event_id"] for v in values]
@@ -309,11 +310,20 @@ def test_a_handler_that_dooms_the_transaction_costs_the_batch_no_message(
 
     settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
     runner = RecordingRunner(settings, handler)
-    runner.run(max_messages=len(values))
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    try:
+        wait_until(lambda: runner.counts[Outcome.DEAD_LETTERED] == 1 and len(effect_ids()) == 8)
+        wait_until(lambda: sum(committed(kafka_cluster, settings).values()) == len(values))
+    finally:
+        runner.stop()
+        thread.join(30)
 
     assert runner.fallbacks >= 1
-    assert sorted(effect_ids()) == sorted(i for i in ids if i != ids[5])
-    assert sum(committed(kafka_cluster, settings).values()) == len(values)
+    assert Counter(effect_ids()) == Counter(i for i in ids if i != ids[5])
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert json.loads(dead.value() or b"")["event_id"] == ids[5]
+    assert b"unable to commit" in dict(dead.headers() or [])["dlq.error"]
 
 
 @pytest.mark.parametrize("value", [0, -1, True, "10", 1.5, 10_001])
