@@ -476,11 +476,28 @@ def test_an_error_text_no_database_stores_is_kept_escaped(redelivered: bool | No
 # --- process_event ------------------------------------------------------------------------------
 
 
+DOOMS = ["set_rollback", "an error caught without a savepoint"]
+
+
+def doom_transaction(how: str) -> None:
+    """Leave the open transaction unable to commit without raising, as a buggy body does:
+    ``set_rollback(True)``, or (PostgreSQL) a failed statement's error caught without a
+    savepoint."""
+    if how == "set_rollback":
+        transaction.set_rollback(True)
+        return
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1 / 0")
+    except DatabaseError:
+        pass  # the transaction stays aborted
+
+
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize(
     "redelivered", [False, True, None], ids=["first", "redelivered", "unknown"]
 )
-@pytest.mark.parametrize("how", ["set_rollback", "an error caught without a savepoint"])
+@pytest.mark.parametrize("how", DOOMS)
 def test_a_body_that_leaves_the_transaction_unable_to_commit_is_a_failed_delivery(
     how: str, redelivered: bool | None
 ) -> None:
@@ -493,14 +510,7 @@ def test_a_body_that_leaves_the_transaction_unable_to_commit_is_a_failed_deliver
 
     def body() -> None:
         Effect.objects.create(name="doomed", payload={})
-        if how == "set_rollback":
-            transaction.set_rollback(True)
-            return
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 / 0")
-        except DatabaseError:
-            pass  # the handler's bug: the transaction stays aborted
+        doom_transaction(how)
 
     with pytest.raises(TransactionManagementError, match="unable to commit"):
         process_event("ledger", "evt-doomed", body, redelivered=redelivered)

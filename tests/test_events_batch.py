@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import DatabaseError, IntegrityError, connection, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -22,7 +22,13 @@ from django_idempotency.events.store import chunk_size, fail_reserved
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
-from tests.test_events import JOIN_TIMEOUT, Threads, threads  # noqa: F401 - the fixture
+from tests.test_events import (  # noqa: F401 - threads: the fixture
+    DOOMS,
+    JOIN_TIMEOUT,
+    Threads,
+    doom_transaction,
+    threads,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -266,7 +272,7 @@ def test_an_event_parked_while_the_insert_waits_is_refused(
     assert parked.parked_at is not None and parked.last_error == "RuntimeError: died"
 
 
-@pytest.mark.parametrize("how", ["set_rollback", "an error caught without a savepoint"])
+@pytest.mark.parametrize("how", DOOMS)
 def test_a_body_that_leaves_the_transaction_unable_to_commit_refuses_the_batch(how: str) -> None:
     """Regression: each event had a savepoint, whose release failed once a body had aborted
     the transaction (PostgreSQL) or marked it for rollback, and the batch fell back to one
@@ -276,14 +282,7 @@ def test_a_body_that_leaves_the_transaction_unable_to_commit_refuses_the_batch(h
         pytest.skip("only PostgreSQL aborts a transaction on a failed statement")
 
     def doom() -> None:
-        if how == "set_rollback":
-            transaction.set_rollback(True)
-            return
-        try:
-            with connection.cursor() as cursor:
-                cursor.execute("SELECT 1 / 0")
-        except DatabaseError:
-            pass  # the handler's bug: the transaction stays aborted
+        doom_transaction(how)
 
     ran: list[str] = []
     with (
