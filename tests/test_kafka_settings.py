@@ -56,6 +56,9 @@ def test_a_valid_consumer_parses_with_its_defaults() -> None:
     [
         ({"TOPICS": "orders"}, "non-empty list of topic names"),
         ({"TOPICS": ["bad topic"]}, "not a Kafka topic name"),
+        # Kafka's characters, but two names it refuses: they passed before is_topic_name().
+        ({"TOPICS": [".."]}, "not a Kafka topic name"),
+        ({"TOPICS": ["orders", "."]}, "not a Kafka topic name"),
         ({"GROUP": ""}, "non-empty string"),
         ({"CONFIG": {}}, "bootstrap.servers"),
         ({"CONFIG": {"bootstrap.servers": "b:9092", "group.id": "x"}}, "set GROUP instead"),

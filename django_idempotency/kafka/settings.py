@@ -62,6 +62,22 @@ RUNNER_OWNED = {
     "enable.auto.offset.store": "the runner stores offsets itself",
 }
 TOPIC_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,249}")
+"""The characters and length Kafka accepts in a topic name
+(``org.apache.kafka.common.internals.Topic``); :func:`is_topic_name` adds the two names it
+refuses whatever their characters."""
+
+
+def is_topic_name(value: object) -> bool:
+    """Whether Kafka accepts ``value`` as a topic name: 1 to 249 of ``a-z A-Z 0-9 . _ -``, and
+    not ``.`` or ``..``. The one test for a topic name, for the runner's settings, the Kafka
+    transport and the change-capture transport alike."""
+    return (
+        isinstance(value, str)
+        and bool(TOPIC_PATTERN.fullmatch(value))
+        and value not in (".", "..")
+    )
+
+
 CONNECTION_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "socket.", "broker.", "test.")
 """Keys of ``CONFIG`` the dead-letter producer shares with the consumer (where and how to
 connect). Everything else in ``CONFIG`` is consumer-only."""
@@ -131,7 +147,7 @@ def _topics(path: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value:
         raise _error(path, f"must be a non-empty list of topic names, not {value!r}.")
     for topic in value:
-        if not isinstance(topic, str) or not TOPIC_PATTERN.fullmatch(topic):
+        if not is_topic_name(topic):
             raise _error(path, f"holds {topic!r}, which is not a Kafka topic name.")
     return tuple(value)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -19,6 +18,7 @@ from django_idempotency import telemetry
 from django_idempotency.events.ids import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
 from django_idempotency.extras import missing_extra
+from django_idempotency.kafka.settings import is_topic_name
 
 try:
     from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -29,9 +29,6 @@ if TYPE_CHECKING:
     from django_idempotency.outbox.transports import OutboxMessage
 
 __all__ = ["KafkaTransport"]
-
-TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
-"""What Kafka accepts as a topic name (``org.apache.kafka.common.internals.Topic``)."""
 
 
 class KafkaTransport:
@@ -84,11 +81,7 @@ class KafkaTransport:
         :raises TypeError: a payload that is not JSON-serialisable, or headers that are not
             strings.
         """
-        if (
-            not isinstance(destination, str)
-            or not TOPIC_NAME.fullmatch(destination)
-            or destination in (".", "..")
-        ):
+        if not is_topic_name(destination):
             raise ValueError(
                 f"{log_text(repr(destination)[:300])} is not a Kafka topic name: 1 to 249 of "
                 "a-z, A-Z, 0-9, '.', '_' and '-' (and not '.' or '..')."

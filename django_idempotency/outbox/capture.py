@@ -27,11 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from django.utils.module_loading import import_string
-
 from django_idempotency.exceptions import log_text
-from django_idempotency.kafka.settings import TOPIC_PATTERN
-from django_idempotency.outbox.transports import OutboxMessage
+from django_idempotency.kafka.settings import is_topic_name
+from django_idempotency.outbox.transports import OutboxMessage, backend_class
 
 __all__ = ["ChangeCaptureTransport", "is_change_capture"]
 
@@ -54,8 +52,8 @@ class ChangeCaptureTransport:
 
         :raises ValueError: a destination that is no Kafka topic name.
         """
-        # TOPIC_PATTERN from kafka.settings: kafka.transport imports confluent-kafka, an extra.
-        if not TOPIC_PATTERN.fullmatch(destination) or destination in (".", ".."):
+        # From kafka.settings: kafka.transport imports confluent-kafka, an extra.
+        if not is_topic_name(destination):
             raise ValueError(
                 f"{log_text(repr(destination)[:300])} is not a Kafka topic name (1 to 249 of "
                 "a-z, A-Z, 0-9, '.', '_' and '-', not '.' or '..'): the change-capture "
@@ -84,7 +82,7 @@ def is_change_capture(backend: str) -> bool:
     with the reason).
     """
     try:
-        cls = import_string(backend)
+        cls = backend_class(backend)
     except ImportError:
         return False
     return getattr(cls, "change_capture", False) is True

@@ -39,7 +39,6 @@ from django.db import connections
 from django.db.models import JSONField, Value
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
-from django.utils.module_loading import import_string
 
 from django_idempotency import telemetry
 from django_idempotency.conf import SETTING_NAME, conf
@@ -53,7 +52,7 @@ from django_idempotency.exceptions import log_text
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox.capture import is_change_capture
 from django_idempotency.outbox.store import NOTIFY_CHANNEL
-from django_idempotency.outbox.transports import celery_envelope, get_transport
+from django_idempotency.outbox.transports import backend_class, celery_envelope, get_transport
 
 if TYPE_CHECKING:
     from celery import Task
@@ -185,10 +184,11 @@ def send(
             f"headers); the most is {limit} ({SETTING_NAME}['OUTBOX_MAX_PAYLOAD_BYTES']). "
             "Store a large document elsewhere and send its reference."
         )
-    _validate(transport, destination, payload, headers_value)
+    cls = _transport_class(transport)
+    _validate(transport, cls, destination, payload, headers_value)
     # A change-capture reader (Debezium) has the row from the log once it commits: no relay
     # claims it, and it expires as a sent message does.
-    captured = is_change_capture(conf.OUTBOX_TRANSPORTS[transport]["BACKEND"])
+    captured = getattr(cls, "change_capture", False) is True
     created_at = timezone.now()
     values = {
         "event_id": event,
@@ -224,7 +224,18 @@ def send(
     return event
 
 
-def _validate(name: str, destination: str, payload: Any, headers: dict[str, str]) -> None:
+def _transport_class(name: str) -> Any:
+    """The class of transport ``name``, or None where its ``BACKEND`` does not import (check
+    E030 reports it, and the relay fails the message with the reason)."""
+    try:
+        return backend_class(conf.OUTBOX_TRANSPORTS[name]["BACKEND"])
+    except ImportError:
+        return None
+
+
+def _validate(
+    name: str, cls: Any, destination: str, payload: Any, headers: dict[str, str]
+) -> None:
     """Let the message's transport refuse a message it can never send, now rather than after
     an hour of retries that hold back its key (``send("shop.effect", {"order_id": 1})`` to a
     Celery destination, whose payload is no task call).
@@ -233,11 +244,6 @@ def _validate(name: str, destination: str, payload: Any, headers: dict[str, str]
     ``TypeError`` or ``ValueError``. Only then is the transport built in this process (once, as
     the relay builds it); a transport without the method is not built here.
     """
-    backend = conf.OUTBOX_TRANSPORTS[name]["BACKEND"]
-    try:
-        cls = import_string(backend)
-    except ImportError:
-        return  # check E030 reports it, and the relay fails the message with the reason
     if not callable(getattr(cls, "validate_message", None)):
         return
     get_transport(name).validate_message(destination, payload, headers)  # type: ignore[attr-defined]

@@ -42,6 +42,7 @@ per batch, AMQP transactions) that share the same per-key failure rule and timeo
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -152,7 +153,7 @@ def build_transport(name: str) -> Transport:
         )
     backend, options = configured[name]["BACKEND"], configured[name].get("OPTIONS", {})
     try:
-        cls = import_string(backend)
+        cls = backend_class(backend)
     except ImportError as exc:
         raise ImproperlyConfigured(
             f"Outbox transport {name!r}: cannot import BACKEND {backend!r}: {exc}."
@@ -168,6 +169,17 @@ def build_transport(name: str) -> Transport:
             f"Outbox transport {name!r}: {backend} has no send(messages) and close() methods."
         )
     return transport
+
+
+@functools.lru_cache(maxsize=64)
+def backend_class(backend: str) -> Any:
+    """The class at the dotted path ``backend``, imported once per path.
+
+    ``outbox.send()`` reads the class of its message's transport for every message (does it
+    validate messages? is it read from the log?). A path that does not import raises
+    ``ImportError`` each time, and is not remembered.
+    """
+    return import_string(backend)
 
 
 def close_transports() -> None:
