@@ -310,12 +310,13 @@ class IdempotentConsumerMixin(_TaskBase):
         """Celery's :meth:`~celery.app.task.Task.retry`, whose message waits for the delivery.
 
         From a broker, inside the body, the retry message is held instead of published: it is
-        published once the failed delivery has rolled back and been counted (or, after
-        ``throw=False``, once the body's transaction has committed), so the retry can never run
-        before that count, in another pool child, and run once more than ``max_deliveries``.
-        A delivery refused as parked, or ending in a database error (retried with the
-        database's backoff instead), publishes none. Everything else is Celery's: the retry signature, ``max_retries`` (exceeded, ``exc``
-        or :class:`~celery.exceptions.MaxRetriesExceededError` is raised, and nothing is
+        published once the delivery has ended, a failed one rolled back and counted (after
+        ``throw=False`` a body may also return, and commit), so the retry can never run before
+        that count, in another pool child, nor once more than ``max_deliveries``. A delivery
+        refused as parked, or ending in a database error (retried with the database's backoff
+        instead), publishes none. Everything else is Celery's: the retry signature,
+        ``max_retries`` (exceeded: ``exc`` or
+        :class:`~celery.exceptions.MaxRetriesExceededError` is raised, and nothing is
         published), ``throw``, and :class:`~celery.exceptions.Reject` when the retry cannot be
         published. Eagerly, directly and outside the body, it is Celery's own.
         """
