@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -90,6 +91,60 @@ def fragile(self: IdempotentConsumer, event_id: str) -> None:
 @app.task(base=IdempotentConsumer, bind=True, name="tests.not_late", acks_late=False)
 def not_late(self: IdempotentConsumer, event_id: str) -> None:
     return None
+
+
+@app.task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="tests.always_retried",
+    autoretry_for=(Boom,),
+    max_retries=3,
+    default_retry_delay=0,
+    max_deliveries=5,
+)
+def always_retried(self: IdempotentConsumer, event_id: str) -> None:
+    Effect.objects.create(name="always_retried", payload=event_id)
+    raise Boom("always")
+
+
+@app.task(base=IdempotentConsumer, bind=True, name="tests.retried_by_hand", default_retry_delay=0)
+def retried_by_hand(self: IdempotentConsumer, event_id: str, then: str = "raise") -> str:
+    """``self.retry(throw=False)``, then: raise the retry, return, raise a database error, or
+    raise ``Ignore``."""
+    retry = self.retry(exc=Boom("by hand"), throw=False)
+    Effect.objects.create(name="retried_by_hand", payload=event_id)
+    if then == "raise":
+        raise retry
+    if then == "database":
+        raise OperationalError("deadlock detected (simulated by the task body)")
+    if then == "ignore":
+        raise Ignore("handled elsewhere")
+    return "applied"
+
+
+@app.task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="tests.retry_unpublishable",
+    max_retries=3,
+    default_retry_delay=0,
+)
+def retry_unpublishable(self: IdempotentConsumer, event_id: str) -> None:
+    # retry=False: one try at the broker, no backoff (the broker is unreachable in the test).
+    raise self.retry(exc=Boom("retried"), retry=False)
+
+
+@app.task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="tests.retries_exhausted",
+    autoretry_for=(Boom,),
+    max_retries=0,
+    default_retry_delay=0,
+)
+def retries_exhausted(self: IdempotentConsumer, event_id: str) -> None:
+    Effect.objects.create(name="retries_exhausted", payload=event_id)
+    raise Boom("no retries left")
 
 
 class EnvelopeConsumer(IdempotentConsumer):
@@ -490,6 +545,185 @@ def test_from_a_broker_a_database_error_backs_off_with_a_countdown(
     assert message.headers["retries"] == 1
     assert message.headers["eta"] is not None
     assert message.decode()[1] == {"event_id": "evt"}
+
+
+@contextmanager
+def queued_at_statements(queue: Any, model: type[Any]) -> Iterator[list[int]]:
+    """The number of messages on ``queue`` at each statement that names ``model``'s table."""
+    table = model._meta.db_table
+    seen: list[int] = []
+
+    def observe(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        if table in sql:
+            seen.append(queue.qsize())
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(observe):
+        yield seen
+
+
+@pytest.fixture
+def vouched_first_delivery() -> Iterator[None]:
+    """Read from an AMQP broker (never connected), which vouches for a first delivery, and
+    publish to the in-memory one: the failure counts itself after its rollback."""
+    saved = app.conf.get("broker_read_url")  # unset: the property would read broker_url
+    app.conf.broker_read_url = "amqp://guest:guest@127.0.0.1:5672//"
+    try:
+        yield
+    finally:
+        app.conf.broker_read_url = saved
+
+
+def from_broker_delivery(task: Any, call: Callable[[], Any], first: bool) -> Any:
+    """:func:`from_broker`; ``first``: the broker vouches this is a first delivery."""
+    task.push_request(id="task-id", is_eager=False, called_directly=False)
+    if first:
+        task.request.delivery_info = {"redelivered": False}
+    try:
+        return call()
+    finally:
+        task.pop_request()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("first", [False, True], ids=["counted", "vouched-first-delivery"])
+def test_from_a_broker_an_autoretry_is_published_after_the_failure_is_counted(
+    memory_broker: Any, request: pytest.FixtureRequest, first: bool
+) -> None:
+    """Published inside the body, the retry could run in another pool child before this
+    delivery had rolled back and counted its failure (tests/test_celery_worker.py races it)."""
+    if first:
+        request.getfixturevalue("vouched_first_delivery")
+    with (
+        queued_at_statements(memory_broker, EventDelivery) as seen,
+        pytest.raises(Retry) as raised,
+    ):
+        from_broker_delivery(always_retried, lambda: always_retried(event_id="evt"), first)
+    assert isinstance(raised.value.exc, Boom)
+    # Counted (before the body, or by the failure itself) and the error recorded, all with
+    # nothing on the broker yet.
+    assert seen and set(seen) == {0}
+    delivery = EventDelivery.objects.get()
+    assert delivery.deliveries == 1
+    assert "Boom" in delivery.last_error
+    assert not effects("always_retried")  # rolled back
+    (message,) = published(memory_broker)  # then the retry, once
+    assert message.headers["retries"] == 1
+    assert message.headers["id"] == "task-id"
+    assert message.decode()[1] == {"event_id": "evt"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_from_a_broker_a_retry_by_hand_is_published_after_the_failure_is_counted(
+    memory_broker: Any,
+) -> None:
+    with queued_at_statements(memory_broker, EventDelivery) as seen, pytest.raises(Retry):
+        from_broker(retried_by_hand, lambda: retried_by_hand(event_id="evt"))
+    assert seen and set(seen) == {0}
+    assert EventDelivery.objects.get().deliveries == 1
+    assert len(published(memory_broker)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retry_with_throw_false_then_a_return_publishes_after_the_commit(
+    memory_broker: Any,
+) -> None:
+    """Celery's meaning of ``throw=False`` holds (the retry is sent, the task succeeds); the
+    retry waits for the commit, so it arrives as a duplicate."""
+    with queued_at_statements(memory_broker, Effect) as seen:
+        outcome = from_broker(
+            retried_by_hand, lambda: retried_by_hand(event_id="evt", then="return")
+        )
+    assert outcome == "applied"
+    assert seen == [0]  # the body's write: after retry(), before the commit
+    assert effects("retried_by_hand") == 1
+    (message,) = published(memory_broker)
+    assert message.headers["retries"] == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_retry_with_throw_false_then_ignore_publishes_after_the_commit(
+    memory_broker: Any,
+) -> None:
+    with pytest.raises(Ignore):
+        from_broker(retried_by_hand, lambda: retried_by_hand(event_id="evt", then="ignore"))
+    assert effects("retried_by_hand") == 1  # committed, as for any Ignore
+    assert len(published(memory_broker)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_database_error_after_a_retry_by_hand_retries_once_with_the_backoff(
+    memory_broker: Any,
+) -> None:
+    """The body's retry is dropped for the database's: one message, not two."""
+    with pytest.raises(Retry) as raised:
+        from_broker(retried_by_hand, lambda: retried_by_hand(event_id="evt", then="database"))
+    assert isinstance(raised.value.exc, OperationalError)
+    (message,) = published(memory_broker)
+    assert message.headers["eta"] is not None  # the backoff's countdown, not the body's 0
+    assert not effects("retried_by_hand")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_max_retries_exceeded_raises_the_error_counted_and_publishes_nothing(
+    memory_broker: Any,
+) -> None:
+    with pytest.raises(Boom):
+        from_broker(retries_exhausted, lambda: retries_exhausted(event_id="evt"))
+    assert not published(memory_broker)
+    delivery = EventDelivery.objects.get()
+    assert delivery.deliveries == 1
+    assert "no retries left" in delivery.last_error
+    assert not effects("retries_exhausted")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_parked_event_publishes_no_retry(memory_broker: Any) -> None:
+    for _ in range(5):  # max_deliveries=5: five failed deliveries, each retried
+        with pytest.raises(Retry):
+            from_broker(always_retried, lambda: always_retried(event_id="evt"))
+    assert len(published(memory_broker)) == 5
+    with pytest.raises(Reject) as raised:
+        from_broker(always_retried, lambda: always_retried(event_id="evt"))
+    assert isinstance(raised.value.reason, EventParked)
+    assert not published(memory_broker)
+    assert EventDelivery.objects.get().parked_at is not None
+
+
+@pytest.fixture
+def unreachable_broker() -> Iterator[None]:
+    """Publish to a port where nothing listens: every publish fails, for real."""
+    saved = app.conf.broker_url, app.conf.task_always_eager
+    app.conf.broker_url, app.conf.task_always_eager = "redis://127.0.0.1:1/0", False
+    _drop_connections()
+    try:
+        yield
+    finally:
+        app.conf.broker_url, app.conf.task_always_eager = saved
+        _drop_connections()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_that_cannot_be_published_rejects_the_message_after_the_count(
+    unreachable_broker: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As Celery's retry() does: ``Reject(requeue=False)``; the failure is counted first."""
+    with (
+        caplog.at_level(logging.ERROR, logger="django_idempotency"),
+        pytest.raises(Reject) as raised,
+    ):
+        from_broker(retry_unpublishable, lambda: retry_unpublishable(event_id="evt"))
+    assert raised.value.requeue is False
+    failure = raised.value.__cause__
+    assert failure is raised.value.reason and "Connection refused" in str(failure)
+    context: BaseException | None = failure
+    while context is not None and not isinstance(context, Retry):
+        context = context.__context__
+    assert isinstance(context, Retry)  # raised while the retry it could not publish was
+    delivery = EventDelivery.objects.get()
+    assert delivery.deliveries == 1
+    assert "Boom" in delivery.last_error
+    assert "could not publish the retry of event evt" in caplog.text
 
 
 def database_down(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:

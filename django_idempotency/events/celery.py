@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 from weakref import WeakKeyDictionary
 
@@ -31,7 +31,7 @@ from django_idempotency.extras import missing_extra
 try:
     from celery.app.task import Task as CeleryTask
     from celery.contrib.django.task import DjangoTask
-    from celery.exceptions import Ignore, Reject
+    from celery.exceptions import Ignore, Reject, Retry
 except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
     raise missing_extra("celery", __name__) from error
 
@@ -84,7 +84,10 @@ class IdempotentConsumerMixin(_TaskBase):
     committed, and a worker that dies mid-task, or a task killed at its hard time limit, gets
     its message redelivered (and parked once it has used up ``max_deliveries``).
     ``autoretry_for`` and ``self.retry()`` keep working: the retry exception rolls the
-    reservation back, so the retried message runs the body again.
+    reservation back, so the retried message runs the body again. The retry message is
+    published only once the failed delivery has rolled back and been counted (see
+    :meth:`retry`), so it never runs alongside that delivery, nor once more than
+    ``max_deliveries``.
 
     What happens to a message:
 
@@ -241,8 +244,12 @@ class IdempotentConsumerMixin(_TaskBase):
         request.update({EVENT_ID_KEY: event_id})
         run_body = super().__call__
         ignored: list[Ignore] = []
+        held: list[_Publish] = []
 
         def body() -> Any:
+            if from_broker:
+                # The request the body runs under is a copy of this one: it shares the list.
+                request.update({_HELD_RETRIES: held})
             try:
                 return run_body(*args, **kwargs)
             except Ignore as exc:
@@ -250,20 +257,33 @@ class IdempotentConsumerMixin(_TaskBase):
                 # raise it. A duplicate delivery is then skipped, and publishes no replacement.
                 ignored.append(exc)
                 return None
+            finally:
+                if from_broker:
+                    request.update({_HELD_RETRIES: None})
 
         try:
             with telemetry.consuming(consumer, telemetry.celery_carrier(request), event_id):
-                outcome = process_event(
-                    consumer,
-                    event_id,
-                    body,
-                    topic=self.topic,
-                    ttl=self.event_ttl,
-                    using=self.database,
-                    max_deliveries=self.max_deliveries,
-                    count_deliveries=self.count_deliveries,
-                    redelivered=self.broker_redelivered() if from_broker else None,
-                )
+                try:
+                    outcome = process_event(
+                        consumer,
+                        event_id,
+                        body,
+                        topic=self.topic,
+                        ttl=self.event_ttl,
+                        using=self.database,
+                        max_deliveries=self.max_deliveries,
+                        count_deliveries=self.count_deliveries,
+                        redelivered=self.broker_redelivered() if from_broker else None,
+                    )
+                except (EventParked, OperationalError, InterfaceError):
+                    # Parked: refused, so never retried. A database error: retried below,
+                    # once, with the database's backoff instead.
+                    raise
+                except Exception:
+                    # Rolled back and counted: only now may a retry of it run.
+                    self._publish_held(held, event_id)
+                    raise
+                self._publish_held(held, event_id)  # self.retry(throw=False), then committed
         except EventParked as exc:
             if not from_broker:
                 raise
@@ -275,6 +295,66 @@ class IdempotentConsumerMixin(_TaskBase):
         if ignored:
             raise ignored[0]
         return outcome.result
+
+    def retry(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        exc: Exception | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Retry:
+        """Celery's :meth:`~celery.app.task.Task.retry`, whose message waits for the delivery.
+
+        From a broker, inside the body, the retry message is held instead of published: it is
+        published once the delivery has ended, a failed one rolled back and counted (after
+        ``throw=False`` a body may also return, and commit), so the retry can never run before
+        that count, in another pool child, nor once more than ``max_deliveries``. A delivery
+        refused as parked, or ending in a database error (retried with the database's backoff
+        instead), publishes none. Everything else is Celery's: the retry signature,
+        ``max_retries`` (exceeded: ``exc`` or
+        :class:`~celery.exceptions.MaxRetriesExceededError` is raised, and nothing is
+        published), ``throw``, and :class:`~celery.exceptions.Reject` when the retry cannot be
+        published. Eagerly, directly and outside the body, it is Celery's own.
+        """
+        request = self.request
+        held = getattr(request, _HELD_RETRIES, None)
+        if held is not None:
+            request.update({_HOLDING: held})
+        try:
+            return super().retry(args, kwargs, exc, throw, eta, countdown, max_retries, **options)
+        finally:
+            if held is not None:
+                request.update({_HOLDING: None})
+
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        # Inside retry() (above), the retry message is held for the end of the delivery.
+        held = getattr(self.request, _HOLDING, None)
+        if held is None:
+            return super().apply_async(*args, **options)
+        held.append((args, options))
+        return None  # Celery's retry() does not look at it
+
+    def _publish_held(self, held: list[_Publish], event_id: str) -> None:
+        """Publish the retries the body asked for, now that its delivery has ended."""
+        while held:
+            args, options = held.pop(0)
+            try:
+                super().apply_async(*args, **options)
+            except Exception as exc:
+                # What Celery's retry() does when it cannot publish: the message is not
+                # requeued, so the retry's loss is logged where the event can be found.
+                logger.error(
+                    "could not publish the retry of event %s, consumer %s; the message is "
+                    "rejected: %s",
+                    log_text(event_id),
+                    log_text(self.consumer_name),
+                    log_text(exc),
+                )
+                raise Reject(exc, requeue=False) from exc
 
     def _park_message(
         self, error: BaseException, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -341,6 +421,13 @@ def redis_flags_restores(version: tuple[Any, ...] | None = None) -> bool:
         version = tuple(getattr(kombu, "VERSION", ()))
     return tuple(int(part) for part in version[:3]) >= REDIS_REDELIVERED_SINCE
 
+
+_HELD_RETRIES = "_idempotency_held_retries"
+"""The request attribute under which the body's retry messages wait (a list), while it runs."""
+_HOLDING = "_idempotency_holding"
+"""Set (to that list) while :meth:`IdempotentConsumerMixin.retry` runs Celery's retry."""
+_Publish = tuple[tuple[Any, ...], dict[str, Any]]
+"""A held ``apply_async`` call: its positional arguments and its options."""
 
 _DRIVER_TYPES: WeakKeyDictionary[Any, tuple[Any, str]] = WeakKeyDictionary()
 """Celery app -> (its broker URLs, their kombu driver type: "amqp", "redis", "memory", ...)."""

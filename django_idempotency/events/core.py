@@ -556,8 +556,9 @@ def _fail_first_delivery(
     It runs in a transaction that first reserves the event, and gives the reservation up again
     before it commits. That reservation orders it against every other delivery of the event:
 
-    * a delivery that applied the event meanwhile (a retry Celery published before this one
-      ended) has it reserved: the insert waits for it, then finds it processed, and nothing is
+    * a delivery that applied the event meanwhile (another copy of the message, or a retry an
+      adapter published before this one ended; the Celery consumer's waits for it) has it
+      reserved: the insert waits for it, then finds it processed, and nothing is
       recorded, so no stale error lands on a processed event;
     * a delivery that comes meanwhile waits for this transaction, then reads the counter as it
       left it: it clears the error if it succeeds, and it is refused if the event got parked.

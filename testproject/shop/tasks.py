@@ -23,6 +23,7 @@ from celery import shared_task
 from django.db import OperationalError, transaction
 
 from django_idempotency import IdempotentConsumer, idempotent_consumer
+from django_idempotency.models import EventDelivery
 from testproject.shop.models import Effect, LedgerEntry, Order, Payment
 
 
@@ -147,6 +148,66 @@ def database_unavailable(self: IdempotentConsumer, event_id: str, marker: str) -
         attempts.write_text("x" * (tried + 1))
         raise OperationalError("could not connect to server (simulated)")
     return "applied"
+
+
+class LingeringRetry(IdempotentConsumer):
+    """A consumer base whose ``retry()`` lingers before it hands back the retry exception.
+
+    It stands for a failed delivery that is slow to roll back and count (a loaded database):
+    had ``retry()`` published the retry message already, another pool child would run it
+    meanwhile (``tests/test_celery_worker.py``)."""
+
+    linger = 1.0
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().retry(*args, **kwargs)
+        finally:
+            time.sleep(self.linger)
+
+
+def _record_counted(task: IdempotentConsumer, marker_dir: str) -> None:
+    """Leave a file ``<retries>-<deliveries counted so far>`` in ``marker_dir``: what this run
+    of the body found on the event's delivery counter."""
+    counted = EventDelivery.objects.filter(
+        consumer=task.consumer_name, event_id=task.request.event_id
+    ).values_list("deliveries", flat=True)
+    Path(marker_dir, f"{task.request.retries}-{counted.first() or 0}").touch()
+
+
+@shared_task(
+    base=IdempotentConsumer,
+    bind=True,
+    name="shop.retry_lingers",
+    max_deliveries=3,
+    max_retries=10,
+    default_retry_delay=0,
+)
+def retry_lingers(self: IdempotentConsumer, event_id: str, marker_dir: str) -> str:
+    """Fail every time: ``self.retry(throw=False)``, linger a second, then raise the retry.
+    Each run records what it found on the counter; parked after 3 runs."""
+    _record_counted(self, marker_dir)
+    _effect(self)
+    retry = self.retry(exc=TransientError(f"{event_id} always fails"), throw=False)
+    time.sleep(1.0)
+    raise retry
+
+
+@shared_task(
+    base=LingeringRetry,
+    bind=True,
+    name="shop.autoretry_lingers",
+    autoretry_for=(TransientError,),
+    max_deliveries=3,
+    max_retries=10,
+    default_retry_delay=0,
+)
+def autoretry_lingers(self: IdempotentConsumer, event_id: str, marker_dir: str) -> str:
+    """Fail every time, retried by autoretry through a ``retry()`` that lingers a second.
+    Each run records what it found on the counter; parked after 3 runs."""
+    _record_counted(self, marker_dir)
+    _effect(self)
+    raise TransientError(f"{event_id} always fails")
 
 
 @shared_task(base=IdempotentConsumer, bind=True, name="shop.replaced")
