@@ -120,14 +120,9 @@ if _default_db["ENGINE"] != "django.db.backends.sqlite3":
     if _default_db["ENGINE"] == "django.db.backends.mysql":
         _repeatable_options["isolation_level"] = "repeatable read"
     else:
-        try:
-            from psycopg import IsolationLevel
+        from psycopg import IsolationLevel
 
-            _repeatable_options["isolation_level"] = IsolationLevel.REPEATABLE_READ
-        except ImportError:  # psycopg2
-            from psycopg2.extensions import ISOLATION_LEVEL_REPEATABLE_READ
-
-            _repeatable_options["isolation_level"] = ISOLATION_LEVEL_REPEATABLE_READ
+        _repeatable_options["isolation_level"] = IsolationLevel.REPEATABLE_READ
     DATABASES["repeatable_read"] = {
         **_default_db,
         "OPTIONS": _repeatable_options,

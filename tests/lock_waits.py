@@ -33,7 +33,9 @@ def waits_on_a_lock(session: int) -> bool:
     """Whether ``session`` waits on a lock now (a row, a transaction), asked in autocommit."""
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            cursor.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [session])
+            cursor.execute(
+                "SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s", [session]
+            )
             row = cursor.fetchone()
             return row is not None and row[0] == "Lock"
         cursor.execute(
