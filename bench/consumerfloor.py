@@ -81,7 +81,7 @@ def build_rows(duplicates: list[str]) -> dict[str, Callable[[str], None]]:
 
     def reserve(event: str) -> str:
         return (
-            f"SELECT django_idempotency_reserve_v1({_quoted(CONSUMER)}, {_quoted(event)}, '', "
+            f"SELECT django_idempotency_reserve_v2({_quoted(CONSUMER)}, {_quoted(event)}, '', "
             f"{expiry}, false)"
         )
 

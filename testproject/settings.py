@@ -112,6 +112,22 @@ DATABASES["other"] = {
         "NAME": str(_default_db["TEST"]["NAME"]).replace("test_", "test_other_", 1),
     },
 }
+# The test database again, through connections at REPEATABLE READ, as OPTIONS sets it (the
+# isolation tests: tests/test_first_delivery_isolation.py); a test asks for it with
+# databases=["default", "repeatable_read"]. SQLite has no isolation levels to choose.
+if _default_db["ENGINE"] != "django.db.backends.sqlite3":
+    _repeatable_options = dict(_default_db.get("OPTIONS", {}))
+    if _default_db["ENGINE"] == "django.db.backends.mysql":
+        _repeatable_options["isolation_level"] = "repeatable read"
+    else:
+        from psycopg import IsolationLevel
+
+        _repeatable_options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+    DATABASES["repeatable_read"] = {
+        **_default_db,
+        "OPTIONS": _repeatable_options,
+        "TEST": {**_default_db["TEST"], "MIRROR": "default"},
+    }
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 

@@ -35,7 +35,7 @@ from tests.workers import REPO, database_url
 
 ASYNC = {"ASYNC_DELIVERY_COUNT": True}
 COUNT_FUNCTION = "django_idempotency_count_v1"
-RESERVE_FUNCTION = "django_idempotency_reserve_v1"
+RESERVE_FUNCTION = "django_idempotency_reserve_v2"
 TRANSACTION_CONTROL = ("BEGIN", "COMMIT", "SAVEPOINT", "RELEASE SAVEPOINT", "ROLLBACK TO")
 
 

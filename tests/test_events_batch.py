@@ -8,11 +8,12 @@ from __future__ import annotations
 import math
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from django.db import IntegrityError, connection, transaction
+from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.transaction import TransactionManagementError
 from django.utils import timezone
 
@@ -22,6 +23,7 @@ from django_idempotency.events.store import chunk_size, fail_reserved
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
+from tests.lock_waits import session_of, wait_until_blocked
 from tests.test_events import (  # noqa: F401 - threads: the fixture
     DOOMS,
     JOIN_TIMEOUT,
@@ -33,10 +35,10 @@ from tests.test_events import (  # noqa: F401 - threads: the fixture
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def effect(event: str, ran: list[str]) -> Callable[[], str]:
+def effect(event: str, ran: list[str], using: str = "default") -> Callable[[], str]:
     def body() -> str:
         ran.append(event)
-        Effect.objects.create(name="batch", payload=event)
+        Effect.objects.using(using).create(name="batch", payload=event)
         return f"done {event}"
 
     return body
@@ -229,43 +231,56 @@ def test_bodies_run_in_order_after_all_reservations() -> None:
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.mysql
-@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+@pytest.mark.django_db(transaction=True, databases=["default", "repeatable_read"])
+@pytest.mark.parametrize("alias", ["default", "repeatable_read"])
 def test_an_event_parked_while_the_insert_waits_is_refused(
     threads: Threads,  # noqa: F811
-    isolation: str,
+    alias: str,
 ) -> None:
     """Regression: the batch's first read (of the processed events) fixed the snapshot under
-    REPEATABLE READ on MariaDB (the server's default, where OPTIONS asks for it), and the
-    counters were read in it after the insert had waited for a failed delivery that parked
-    the event and gave its reservation up (``_fail_first_delivery``): the parked event ran,
-    and was marked processed. On MariaDB the counters are a locking read now, which reads
-    the latest committed rows whatever the isolation level."""
-    if isolation != "read committed" and connection.vendor != "mysql":
-        pytest.skip("PostgreSQL reads a first delivery's counter in the snapshot at that level")
+    REPEATABLE READ, and the counters were read in it after the insert had waited for a failed
+    delivery that parked the event and gave its reservation up (``_fail_first_delivery``):
+    the parked event ran, and was marked processed. On MariaDB (fixed first) the counters are
+    a locking read, which reads the latest committed rows whatever the isolation level; the
+    batch is refused as parked. On PostgreSQL, whose locking reads see the snapshot too, the
+    read also inserts the counters at that level, and the parked one it meets, committed
+    after the snapshot, raises a serialization failure: the batch rolls back, and the runner
+    goes one message at a time. ``repeatable_read`` is the test database through connections
+    at REPEATABLE READ, as ``OPTIONS`` sets it."""
     held, release = threading.Event(), threading.Event()
+    session: dict[str, int] = {}
 
     def failed_delivery() -> None:  # what _fail_first_delivery does, held open a while
         with transaction.atomic():
             assert try_reserve("poison", "ledger")
             held.set()
-            release.wait(JOIN_TIMEOUT)
+            assert release.wait(JOIN_TIMEOUT)
             count_delivery("poison", "ledger")
             fail_reserved("default", "ledger", "poison", RuntimeError("died"), park=True)
 
     ran: list[str] = []
-    try:
-        if isolation != "read committed":
-            with connection.cursor() as cursor:
-                cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-        threads.start(failed_delivery)
-        assert held.wait(JOIN_TIMEOUT)
-        threading.Timer(0.5, release.set).start()
-        with pytest.raises(EventParked), transaction.atomic():
-            process_first_deliveries("ledger", [(e, effect(e, ran)) for e in ("a", "poison")])
-        threads.join()
-    finally:
-        connection.close()  # the next test's connection has the configured isolation level
-    assert release.is_set()  # the insert waited for the failed delivery
+
+    def batch() -> None:
+        session["batch"] = session_of(alias)
+        with transaction.atomic(using=alias):
+            process_first_deliveries(
+                "ledger", [(e, effect(e, ran, alias)) for e in ("a", "poison")], using=alias
+            )
+
+    threads.start(failed_delivery)
+    assert held.wait(JOIN_TIMEOUT)
+    threads.start(batch)
+    while "batch" not in session:
+        assert not threads.errors, threads.errors
+        time.sleep(0.01)
+    wait_until_blocked(session["batch"], "the batch's insert")
+    release.set()
+    if alias != "default" and connection.vendor == "postgresql":
+        with pytest.raises(OperationalError, match="could not serialize"):
+            threads.join()
+    else:
+        with pytest.raises(EventParked, match="one event at a time"):
+            threads.join()
     assert ran == []
     assert not ProcessedEvent.objects.exists()
     [parked] = EventDelivery.objects.all()

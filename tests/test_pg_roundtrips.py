@@ -42,7 +42,7 @@ pytestmark = pytest.mark.postgres
 CLAIM = "SELECT * FROM django_idempotency_claim_v2("
 STORE = "SELECT django_idempotency_insert_completed_v1("
 UPDATE = "SELECT django_idempotency_complete_v1("
-RESERVE = "SELECT django_idempotency_reserve_v1("
+RESERVE = "SELECT django_idempotency_reserve_v2("
 
 
 @pytest.fixture(autouse=True)

@@ -195,7 +195,10 @@ def _reserve_first_delivery(event: str, name: str, topic: str, ttl: Any, alias: 
     delivery left on the counter is cleared with this delivery's success. The counter is read
     after the insert, which waits for any delivery that holds the event, so it sees the error
     a failed delivery recorded while holding it (:func:`_fail_first_delivery`); see
-    :func:`~django_idempotency.events.store.reserve`.
+    :func:`~django_idempotency.events.store.reserve`. Under ``REPEATABLE READ`` or
+    ``SERIALIZABLE`` a counter that such a delivery committed after this transaction's
+    snapshot raises a serialization failure on PostgreSQL (the read would not see it); the
+    failure counts this delivery, which is then refused if the event is parked.
     """
     now = timezone.now()
     return event_store.reserve(
@@ -379,6 +382,7 @@ def process_event(
         if delivery.parked:
             _reject_parked(event, name, topic_value, delivery.count)
     committed: list[bool] = []
+    applied = False
 
     try:
         with transaction.atomic(using=alias):
@@ -433,7 +437,14 @@ def process_event(
         if isinstance(exc, Exception):
             if first and not committed:
                 # Its count was skipped: the failure counts itself, after the rollback.
-                _fail_first_delivery(event, name, topic_value, ttl, alias, exc, limit)
+                failed = _fail_first_delivery(
+                    event, name, topic_value, ttl, alias, exc, limit, ran=applied
+                )
+                if failed is not None and failed.parked and not applied:
+                    # It failed before its body ran, and the event is parked: refused as its
+                    # reservation would have refused it (under REPEATABLE READ on PostgreSQL,
+                    # the counter parked after its snapshot raised a serialization failure).
+                    _reject_parked(event, name, topic_value, failed.count)
             elif first:
                 delivery = _count_skipped(event, name, topic_value, ttl, alias)
             if committed:
@@ -550,8 +561,11 @@ def _fail_first_delivery(
     alias: str,
     error: BaseException,
     limit: int,
-) -> None:
-    """Count a failed first delivery (its count was skipped), keep its error, park if due.
+    *,
+    ran: bool,
+) -> Delivery | None:
+    """Count a failed first delivery (its count was skipped), keep its error, park if due;
+    return the delivery as counted, or None if nothing was counted.
 
     It runs in a transaction that first reserves the event, and gives the reservation up again
     before it commits. That reservation orders it against every other delivery of the event:
@@ -566,15 +580,20 @@ def _fail_first_delivery(
     The event is parked in the same transaction once it has failed ``limit`` times, so its
     body runs at most ``limit`` times, as when every delivery is counted before it runs (there,
     delivery ``limit + 1`` is parked without running).
+
+    A delivery that failed before its body ran (``ran`` False: its reservation raised) and
+    finds the event parked keeps the error that parked it: the admin and a dead-letter
+    message show why the event is parked, not a serialization failure of a later delivery.
     A database error here is logged and never hides the body's own error, which propagates.
     """
     try:
         with transaction.atomic(using=alias):
             if not try_reserve(event, name, topic=topic, ttl=ttl, using=alias):
-                return  # applied meanwhile: this error is stale
+                return None  # applied meanwhile: this error is stale
             delivery = count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
             park = delivery.count >= limit and not delivery.parked
-            event_store.fail_reserved(alias, name, event, error, park=park)
+            kept = None if delivery.parked and not ran else error
+            event_store.fail_reserved(alias, name, event, kept, park=park)
     except DatabaseError:
         logger.warning(
             "could not count the failed delivery of event %s for consumer %s",
@@ -582,9 +601,10 @@ def _fail_first_delivery(
             log_text(name),
             exc_info=True,
         )
-        return
+        return None
     if park:
         _parked(delivery, limit, newly=True)
+    return delivery
 
 
 def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> Delivery | None:

@@ -9,8 +9,9 @@ asynchronously), and gets back what the database found.
 
 * The reservation: one :class:`~django_idempotency.models.ProcessedEvent` row, inserted unless
   it is there (:func:`reserve`). On PostgreSQL (default layout) it is a call of the function
-  that migration ``0006_event_functions`` creates; elsewhere an insert
-  that names its conflict target (:func:`insert_new`).
+  that migration ``0013_reserve_function_v2`` creates; elsewhere an insert
+  that names its conflict target (:func:`insert_new`). A first delivery's reservation also
+  reads the event's counter (:func:`_read_counters`), right at every isolation level.
 * The delivery count: an upsert of the :class:`~django_idempotency.models.EventDelivery`
   counter (:func:`count`, :func:`call_count`), or, on PostgreSQL with psycopg 3, the count and
   the reservation in one round trip (:func:`count_and_reserve`).
@@ -70,9 +71,11 @@ RESERVED, PROCESSED, PARKED = "reserved", "processed", "parked"
 """What a reservation found: this call reserved the event, it was processed before, or (for a
 first delivery, see :func:`reserve`) its delivery counter is parked."""
 
-RESERVE_POSTGRESQL = "SELECT django_idempotency_reserve_v1(%s, %s, %s, %s, %s, %s)"
+RESERVE_POSTGRESQL = "SELECT django_idempotency_reserve_v2(%s, %s, %s, %s, %s, %s)"
 """The reservation on PostgreSQL (default layout): a call of the function that migration
-``0006_event_functions`` creates, whose plan PostgreSQL caches per server session."""
+``0013_reserve_function_v2`` creates, whose plan PostgreSQL caches per server session. (v1, of
+``0006_event_functions``, read a first delivery's counter in the snapshot under ``REPEATABLE
+READ``; it stays for the code of the release before, during a deploy.)"""
 
 
 def reserve(
@@ -92,10 +95,12 @@ def reserve(
     With ``first_delivery`` (a delivery whose count was skipped) the reservation also reads
     what the count would have: a parked counter is PARKED (the caller rolls the reservation
     back), and an error an earlier delivery left on it is cleared in this transaction. The
-    counter is read after the insert, which waits for any delivery that holds the event. On
-    PostgreSQL (default layout) all of it is one call of ``django_idempotency_reserve_v1``;
-    elsewhere a plain read of the counter follows the insert. ``occurred_at`` is for the
-    partitioned layout only."""
+    counter is read after the insert, which waits for any delivery that holds the event, and
+    it must be the latest counter, not the one of a snapshot taken before that wait
+    (``REPEATABLE READ``, ``SERIALIZABLE``): see :func:`_read_counters`. On PostgreSQL
+    (default layout) all of it is one call of ``django_idempotency_reserve_v2``; elsewhere
+    :func:`_read_counters` follows the insert. ``occurred_at`` is for the partitioned layout
+    only."""
     layout = sql_layout(connection, event, occurred_at)
     if layout is None:
         # psycopg takes the datetimes as they are (Django's field preparation changes nothing
@@ -109,13 +114,7 @@ def reserve(
         return PROCESSED
     if not first_delivery:
         return RESERVED
-    counter = EventDelivery.objects.using(connection.alias).filter(consumer=name, event_id=event)
-    found = list(counter.values_list("parked_at", "last_error")[:1])
-    if found and found[0][0] is not None:
-        return PARKED
-    if found and found[0][1]:
-        counter.update(last_error="")
-    return RESERVED
+    return _read_counters(connection, name, [event], topic, now, expires)[event]
 
 
 CHUNK = 500
@@ -148,9 +147,9 @@ def reserve_first_deliveries(
 
     What :func:`reserve` with ``first_delivery`` does for one event, for many: one read of the
     events processed already, one multi-row ``INSERT`` of the others, then one read of their
-    counters (after the inserts, as in :func:`reserve`; on MySQL/MariaDB a locking read, for
-    ``REPEATABLE READ``), and an update that clears the errors earlier deliveries left, if
-    any. (Per :func:`chunk_size` events.)
+    counters (after the inserts, as in :func:`reserve`, and of their latest committed state at
+    every isolation level: :func:`_read_counters`), and an update that clears the errors
+    earlier deliveries left, if any. (Per :func:`chunk_size` events.)
 
     The insert is a plain one: no ``ON CONFLICT``, no ``INSERT IGNORE``, no savepoint. An event
     another transaction reserved after the read raises the duplicate-key ``IntegrityError``
@@ -185,33 +184,131 @@ def reserve_first_deliveries(
         states.update(dict.fromkeys(new, RESERVED))
         reserved.append(new)
     # The counters are read once every insert is done (each may have waited for a delivery
-    # that held one of the events), and on MySQL/MariaDB by a locking read, which reads the
-    # latest committed rows: under REPEATABLE READ a plain read would see the snapshot the
-    # read of the processed events fixed before those waits, and miss a counter that a
-    # failed delivery parked meanwhile (_fail_first_delivery). Reading them after all the
-    # inserts also keeps a read's locks from being taken before a later insert waits.
+    # that held one of the events), in the latest committed state (_read_counters). Reading
+    # them after all the inserts also keeps a read's locks (MySQL/MariaDB) from being taken
+    # before a later insert waits.
     for new in reserved:
-        counters = EventDelivery.objects.using(connection.alias).filter(
-            consumer=name, event_id__in=new
-        )
-        rows = counters.select_for_update() if connection.vendor == "mysql" else counters
-        mine = set(new)
-        errors = []
-        for event, parked_at, last_error in rows.values_list(
-            "event_id", "parked_at", "last_error"
-        ):
-            if event not in mine:
-                # Equal to one of ``new`` only by the column's collation (case, trailing
-                # spaces): which one is unclear, so all of them are refused, and the caller
-                # processes them one at a time, each with its own read.
-                states.update(dict.fromkeys(new, PARKED))
-            elif parked_at is not None:
-                states[event] = PARKED
-            elif last_error:
-                errors.append(event)
-        if errors:
-            counters.filter(event_id__in=errors).update(last_error="")
+        states.update(_read_counters(connection, name, new, topic, now, expires))
     return states
+
+
+def _read_counters(
+    connection: BaseDatabaseWrapper,
+    name: str,
+    events: list[str],
+    topic: str,
+    now: datetime,
+    expires: datetime,
+) -> dict[str, str]:
+    """What the counters of reserved first deliveries say, each RESERVED or PARKED; the errors
+    earlier deliveries left on the others are cleared in the open transaction.
+
+    Called after the reservations' inserts, which waited for any delivery that held one of the
+    events (a failed one parks it or records its error while it holds it:
+    ``events._fail_first_delivery``), the read must see the latest committed counters, not a
+    snapshot taken before that wait, which ``REPEATABLE READ`` and ``SERIALIZABLE`` read:
+
+    * PostgreSQL: at those levels (the statement asks ``transaction_isolation`` itself, so no
+      level set anywhere escapes it) one statement also inserts the counters ``ON CONFLICT DO
+      NOTHING`` (:data:`COUNTERS_POSTGRESQL`), as ``django_idempotency_reserve_v2`` does for
+      one event. A counter committed after the snapshot raises a serialization failure
+      (``40001``: nothing applied, retry later); one in the snapshot is the latest, and the
+      counters it inserted, where there were none, are deleted again. At ``READ COMMITTED`` it
+      is a plain read, as before.
+    * MySQL/MariaDB: a locking read, which reads the latest committed rows at any level.
+    * SQLite: a plain read; a writer has the whole database to itself.
+
+    ``events`` are distinct. A counter equal to one of several events only by the column's
+    collation (case, trailing spaces) refuses them all (PARKED): which one it counts is unclear,
+    so the caller processes them one at a time, each alone here, where the counter the column
+    finds is the event's own.
+    """
+    alias = connection.alias
+    counters = EventDelivery.objects.using(alias).filter(consumer=name, event_id__in=events)
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                _counters_sql(connection),
+                [name, topic, now, now, expires, events, name, events],
+            )
+            rows = cursor.fetchall()
+        probed = [event for event, _, _, inserted in rows if inserted]
+        if probed:  # REPEATABLE READ or SERIALIZABLE, events without a counter: none is left
+            with connection.cursor() as cursor:
+                cursor.execute(_counters_sql(connection, delete=True), [name, probed])
+        found = [(event, parked_at, error) for event, parked_at, error, inserted in rows]
+    else:
+        rows = counters.select_for_update() if connection.vendor == "mysql" else counters
+        found = list(rows.values_list("event_id", "parked_at", "last_error"))
+    states = dict.fromkeys(events, RESERVED)
+    errors = []
+    for event, parked_at, last_error in found:
+        if event not in states:
+            if len(events) > 1:
+                return dict.fromkeys(events, PARKED)
+            event = events[0]  # the one counter the column finds equal to the event
+        if parked_at is not None:
+            states[event] = PARKED
+        elif last_error:
+            errors.append(event)
+    if errors:
+        counters.filter(event_id__in=errors).update(last_error="")
+    return states
+
+
+COUNTERS_POSTGRESQL = """
+WITH probe AS (
+    INSERT INTO {table} AS d ({columns})
+    SELECT %s, e.id, %s, 1, %s, %s, '', %s FROM unnest(%s::text[]) AS e (id)
+    WHERE current_setting('transaction_isolation') IN ('repeatable read', 'serializable')
+    ON CONFLICT ({consumer}, {event_id}) DO NOTHING
+    RETURNING d.{event_id}
+)
+SELECT {event_id}, {parked_at}, {last_error}, false FROM {table}
+WHERE {consumer} = %s AND {event_id} = ANY(%s::text[])
+UNION ALL
+SELECT {event_id}, NULL, '', true FROM probe
+"""
+"""PostgreSQL: the counters of reserved first deliveries (not the partition column: counters
+are keyed by consumer and event id in every layout), as :func:`_read_counters` reads them. At
+``REPEATABLE READ`` and ``SERIALIZABLE`` the ``probe`` inserts a counter for each event; its
+conflict with a counter committed after the snapshot raises ``40001``. The read beside it shares
+the statement's snapshot, so it never sees the probe's rows, which come back flagged ``true``.
+At ``READ COMMITTED`` the probe's ``WHERE`` is false and it inserts nothing."""
+
+DELETE_PROBED = "DELETE FROM {table} WHERE {consumer} = %s AND {event_id} = ANY(%s::text[])"
+
+
+def _counters_sql(connection: BaseDatabaseWrapper, *, delete: bool = False) -> str:
+    """:data:`COUNTERS_POSTGRESQL`, or with ``delete`` the deletion of the probe's counters."""
+    cache_key = ("counters", connection.vendor, delete)
+    cached = _SQL.get(cache_key)
+    if cached is None:
+        quote = connection.ops.quote_name
+
+        def column(name: str) -> str:
+            return quote(_field(EventDelivery, name).column)
+
+        names = (
+            "consumer",
+            "event_id",
+            "topic",
+            "deliveries",
+            "first_delivered_at",
+            "last_delivered_at",
+            "last_error",
+            "expires_at",
+        )
+        text = DELETE_PROBED if delete else COUNTERS_POSTGRESQL
+        cached = _SQL[cache_key] = text.format(
+            table=quote(EventDelivery._meta.db_table),
+            columns=", ".join(map(column, names)),
+            consumer=column("consumer"),
+            event_id=column("event_id"),
+            parked_at=column("parked_at"),
+            last_error=column("last_error"),
+        ).strip()
+    return str(cached)
 
 
 PQTRANS_INERROR = 3
@@ -628,11 +725,15 @@ def clear_error(delivery: Delivery, using: str) -> None:
     ).exclude(last_error="").update(last_error="")
 
 
-def fail_reserved(alias: str, name: str, event: str, error: BaseException, *, park: bool) -> None:
-    """Keep a failed first delivery's error on its counter (and park it, if ``park``), then give
-    up the reservation that ordered this transaction against the event's other deliveries."""
-    changes: dict[str, Any] = {"last_error": error_text(error)}
+def fail_reserved(
+    alias: str, name: str, event: str, error: BaseException | None, *, park: bool
+) -> None:
+    """Keep a failed first delivery's error on its counter (unless ``error`` is None; and park
+    it, if ``park``), then give up the reservation that ordered this transaction against the
+    event's other deliveries."""
+    changes: dict[str, Any] = {} if error is None else {"last_error": error_text(error)}
     if park:
         changes["parked_at"] = timezone.now()
-    EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(**changes)
+    if changes:
+        EventDelivery.objects.using(alias).filter(consumer=name, event_id=event).update(**changes)
     ProcessedEvent.objects.using(alias).filter(consumer=name, event_id=event).delete()
