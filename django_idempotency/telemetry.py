@@ -416,7 +416,7 @@ def outbox_sends(
 ) -> None:
     """Count a relay batch's sends by transport and outcome: sent, failed, parked.
 
-    ``rows`` are the claimed rows (:class:`~django_idempotency.outbox.store.Claimed`) and
+    ``rows`` are the claimed :class:`~django_idempotency.models.OutboxEntry` rows and
     ``outcomes`` what the transports answered for each (None: sent). A failure on a row that
     has used its last attempt is counted as ``parked``.
     """

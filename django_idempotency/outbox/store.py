@@ -18,12 +18,10 @@ time, the lease, the backoff), and gets back what the database found.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -125,38 +123,7 @@ def _set_planner(cursor: Any, values: dict[str, str]) -> dict[str, str]:
     return dict(zip(names, row[: len(names)], strict=True))
 
 
-@dataclass(slots=True)
-class Claimed:
-    """A row the claim found, with the columns the relay and the transports read: what an
-    :class:`~django_idempotency.models.OutboxEntry` would hold, without building one.
-
-    The relay writes ``attempts`` and ``locked_until`` back after its lease, as the row now
-    holds them. Built from plain rows: a model instance per message (``Model.from_db``, the
-    field converters) cost about 20 µs of the relay's CPU per message at batches of 500.
-    """
-
-    id: int
-    event_id: str
-    destination: str
-    transport: str
-    payload: Any
-    headers: dict[str, str]
-    ordering_key: str | None
-    attempts: int
-    available_at: datetime | None
-    locked_until: datetime | None
-    created_at: datetime
-
-    @property
-    def pk(self) -> int:
-        return self.id
-
-
-CLAIMED_FIELDS = tuple(Claimed.__dataclass_fields__)
-"""The columns the claim reads, in :class:`Claimed`'s order (the field names are the columns)."""
-
-
-def candidates(using: str, now: datetime, limit: int) -> list[Claimed]:
+def candidates(using: str, now: datetime, limit: int) -> list[OutboxEntry]:
     """Up to ``limit`` pending rows that are due and unleased, in id order, locked where the
     database can skip what another relay holds.
 
@@ -171,14 +138,7 @@ def candidates(using: str, now: datetime, limit: int) -> list[Claimed]:
     connection = connections[using]
     rows = OutboxEntry.objects.using(using)
     if connection.vendor == "postgresql":
-        with connection.cursor() as cursor:
-            cursor.execute(_pg_claim_sql(connection), [now, now, now, now, limit])
-            found = cursor.fetchall()
-        # Both drivers hand jsonb over as text under Django (its JSONField decodes it).
-        return [
-            Claimed(pk, event, dest, name, json.loads(payload), json.loads(headers), *rest)
-            for pk, event, dest, name, payload, headers, *rest in found
-        ]
+        return list(rows.raw(_pg_claim_sql(connection), [now, now, now, now, limit]))
     blocked_before = (
         rows.filter(ordering_key=OuterRef("ordering_key"), id__lt=OuterRef("id"))
         .filter(OUTBOX_TOUCHED)
@@ -193,7 +153,7 @@ def candidates(using: str, now: datetime, limit: int) -> list[Claimed]:
     )
     if connection.features.has_select_for_update_skip_locked:
         queryset = queryset.select_for_update(skip_locked=True)
-    return [Claimed(*row) for row in queryset.values_list(*CLAIMED_FIELDS)[:limit]]
+    return list(queryset[:limit])
 
 
 def _pg_claim_sql(connection: BaseDatabaseWrapper) -> str:
@@ -201,11 +161,9 @@ def _pg_claim_sql(connection: BaseDatabaseWrapper) -> str:
     ``NOT EXISTS``, which keeps it a subplan run per candidate with the candidate's key and id
     as constants (an index probe of ``idem_outbox_touched_idx``); pulled up into an anti-join,
     the planner could instead scan every touched row once per candidate."""
-    quote = connection.ops.quote_name
-    table = quote(OutboxEntry._meta.db_table)
+    table = connection.ops.quote_name(OutboxEntry._meta.db_table)
     return (
-        f"SELECT {', '.join(f'o.{quote(column)}' for column in CLAIMED_FIELDS)} "
-        f"FROM {table} AS o "
+        f"SELECT o.* FROM {table} AS o "
         "WHERE o.state = 'pending' AND (o.available_at IS NULL OR o.available_at <= %s) "
         "AND (o.locked_until IS NULL OR o.locked_until < %s) "
         f"AND NOT EXISTS (SELECT 1 FROM {table} AS b "
@@ -239,27 +197,8 @@ def unsent_of_keys(using: str, keys: Iterable[str], max_id: int) -> list[tuple[i
     return sorted((pk, key) for pk, key in rows if key is not None)
 
 
-def _update_ids(using: str, ids: list[int], assignments: str, params: list[Any]) -> int:
-    """``UPDATE`` the rows ``ids`` on PostgreSQL: ``assignments`` (SQL, with ``%s`` for
-    ``params``), the ids passed as one array (``id = ANY(%s)``); the number of rows updated.
-
-    The ORM's ``filter(id__in=ids)`` writes one placeholder per id: for a batch of 500, Django
-    compiled the 500-term ``IN`` list and psycopg split the 500-placeholder query, about 8 µs of
-    the relay's CPU per message across the lease and the sent mark (``bench/outbox.py``'s
-    null-transport row), where one array parameter costs about as much as one id."""
-    table = connections[using].ops.quote_name(OutboxEntry._meta.db_table)
-    with connections[using].cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {table} SET {assignments} WHERE id = ANY(%s)", [*params, list(ids)]
-        )
-        return int(cursor.rowcount)
-
-
 def lease(using: str, ids: list[int], until: datetime) -> None:
     """Lease the claimed rows until ``until`` and count their attempt."""
-    if connections[using].vendor == "postgresql":
-        _update_ids(using, ids, "locked_until = %s, attempts = attempts + 1", [until])
-        return
     OutboxEntry.objects.using(using).filter(id__in=ids).update(
         locked_until=until, attempts=F("attempts") + 1
     )
@@ -277,14 +216,6 @@ def record_transaction(using: str) -> Iterator[None]:
 
 def mark_sent(using: str, ids: list[int], now: datetime, expires_at: datetime) -> None:
     """The broker has them: sent, whoever holds the lease now."""
-    if connections[using].vendor == "postgresql":
-        _update_ids(
-            using,
-            ids,
-            "state = %s, sent_at = %s, expires_at = %s, locked_until = NULL, last_error = ''",
-            [SENT.value, now, expires_at],
-        )
-        return
     OutboxEntry.objects.using(using).filter(id__in=ids).update(
         state=SENT, sent_at=now, expires_at=expires_at, locked_until=None, last_error=""
     )

@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from django_idempotency.models import OutboxEntry
-    from django_idempotency.outbox.store import Claimed
 
 __all__ = [
     "CeleryTransport",
@@ -102,9 +101,8 @@ class OutboxMessage:
     """Attempts so far, this one included."""
 
     @classmethod
-    def from_entry(cls, row: OutboxEntry | Claimed) -> OutboxMessage:
-        """The message of an :class:`~django_idempotency.models.OutboxEntry` row, or of a row
-        the relay claimed (:class:`~django_idempotency.outbox.store.Claimed`)."""
+    def from_entry(cls, row: OutboxEntry) -> OutboxMessage:
+        """The message of an :class:`~django_idempotency.models.OutboxEntry` row."""
         return cls(
             id=row.pk,
             event_id=row.event_id,
