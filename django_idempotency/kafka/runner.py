@@ -54,7 +54,7 @@ from django_idempotency.events.core import (
     process_event,
     process_first_deliveries,
 )
-from django_idempotency.exceptions import EventParked, MissingEventId, log_text
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed, log_text
 from django_idempotency.extras import missing_extra
 from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
 from django_idempotency.kafka.watchdog import Watchdog
@@ -367,6 +367,9 @@ class ConsumerRunner:
                 first, last = _describe(messages[0]), _describe(messages[-1])
                 return f"a batch of {len(messages)}, {first} to {last}"
 
+            # Callbacks that raised after the batch's COMMIT: the batch is applied all the same
+            # (process_first_deliveries keeps each message's callbacks to itself).
+            hooks_failed: list[tuple[int, OnCommitFailed]] = []
             with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
                 # A settled partition: first deliveries, reserved together up front.
                 processed = process_first_deliveries(
@@ -377,6 +380,7 @@ class ConsumerRunner:
                     ],
                     topic=messages[0].topic(),
                     using=conf.DATABASE,
+                    on_commit_failed=lambda index, failure: hooks_failed.append((index, failure)),
                 )
             outcomes = [Outcome.APPLIED if p.applied else Outcome.DUPLICATE for p in processed]
         except Exception:  # logged; the messages are then applied one at a time
@@ -396,6 +400,8 @@ class ConsumerRunner:
                 if self.handle(message) is Outcome.RETRY:
                     break
             return handled
+        for index, failure in hooks_failed:
+            self._commit_hook_failed(messages[index], ids[index], failure)
         self.counts.update(outcomes)
         topic, partition, offset = _position(messages[-1])
         self._done[topic, partition] = offset + 1
@@ -449,6 +455,9 @@ class ConsumerRunner:
             except DatabaseError:
                 return self._retry_later(message, event_id)
             return self._dead_letter(message, error, deliveries)
+        except OnCommitFailed as failure:  # committed: applied, and a redelivery is a duplicate
+            self._commit_hook_failed(message, event_id, failure)
+            return Outcome.APPLIED
         except Exception:  # noqa: BLE001 - logged with its traceback, recorded, redelivered
             return self._retry_later(message, event_id)
         return Outcome.APPLIED if processed.applied else Outcome.DUPLICATE
@@ -478,6 +487,20 @@ class ConsumerRunner:
             del self._paused[key]
         waits = [at - now for at in self._paused.values()]
         return max(0.0, min([self.settings.poll_timeout, *waits]))
+
+    def _commit_hook_failed(
+        self, message: Message, event_id: str, failure: OnCommitFailed
+    ) -> None:
+        """An ``on_commit`` callback of the handler raised after the commit (the core logged it
+        and kept it in the counter): the message is applied, and its offset is committed."""
+        logger.warning(
+            "on_commit callback failed after the commit; the message is applied, its offset "
+            "committed, and it is not delivered again: event %s, consumer %s, %s",
+            log_text(event_id),
+            self.settings.name,
+            _describe(message),
+            exc_info=failure,
+        )
 
     def _retry_later(self, message: Message, event_id: str) -> Outcome:
         logger.warning(
