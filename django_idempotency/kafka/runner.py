@@ -211,6 +211,9 @@ class ConsumerRunner:
         self._warmup: dict[tuple[str, int], int] = {}
         """Batch mode: how many messages each partition must still apply one at a time, each
         counted, since it was assigned here, before it settles (see handle_batch())."""
+        self._retrying: dict[tuple[str, int], int] = {}
+        """Batch mode: the offset of each partition's message that failed alone and comes back;
+        it is taken alone again, not in a batch, until it is applied or dead-lettered."""
         self._paused: dict[tuple[str, int], float] = {}
         """Partitions paused after a failed message, with when to resume them."""
         self._assigned: set[tuple[str, int]] = set()
@@ -312,10 +315,14 @@ class ConsumerRunner:
             {"idempotency.consumer": self.settings.name, "idempotency.outcome": outcome.value},
         )
         topic, partition, offset = _position(message)
+        key = (topic, partition)
         if outcome is Outcome.RETRY:
             self._retry_at(topic, partition, offset)
+            if self.settings.batch_size > 1:
+                self._retrying[key] = offset
         else:
-            key = (topic, partition)
+            if offset >= self._retrying.get(key, offset + 1):
+                del self._retrying[key]  # the message that failed is done: batches again
             # Only an applied message counts: a duplicate (an earlier owner applied it) or a
             # dead letter leaves the warm-up as it is (see handle_batch()).
             if outcome is Outcome.APPLIED:
@@ -340,6 +347,11 @@ class ConsumerRunner:
         is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch. Duplicates (the
         earlier owner's batches that committed before their offsets, with
         ``COMMIT_INTERVAL``) do not count towards the ``BATCH_SIZE``.
+
+        A message that failed alone (after its batch rolled back) comes back alone, not at the
+        head of a batch, until it is applied or dead-lettered: in a batch it would run, fail
+        and roll its batch back once more on every retry, uncounted, and its handler would run
+        up to twice ``MAX_DELIVERIES`` times.
         """
         by_partition: dict[tuple[str, int], list[Message]] = {}
         for message in messages:
@@ -348,7 +360,7 @@ class ConsumerRunner:
         for key, run in by_partition.items():
             if self._stopping.is_set():
                 break
-            while run and key not in self._settled:
+            while run and (key not in self._settled or key in self._retrying):
                 handled += 1
                 if self.handle(run.pop(0)) is Outcome.RETRY:
                     run = []
@@ -623,6 +635,7 @@ class ConsumerRunner:
         self._assigned -= keys
         for key in keys:
             self._warmup.pop(key, None)
+            self._retrying.pop(key, None)
 
     def _log_waiting(self) -> None:
         if not self._assigned:
