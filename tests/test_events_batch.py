@@ -15,12 +15,14 @@ from typing import Any
 import pytest
 from django.db import IntegrityError, OperationalError, connection, transaction
 from django.db.transaction import TransactionManagementError
+from django.test import override_settings
 from django.utils import timezone
 
 from django_idempotency import signals, try_reserve
 from django_idempotency.events.core import count_delivery, process_first_deliveries
+from django_idempotency.events.ids import new_event_id
 from django_idempotency.events.store import chunk_size, fail_reserved
-from django_idempotency.exceptions import EventParked
+from django_idempotency.exceptions import EventParked, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 from tests.lock_waits import session_of, wait_until_blocked
@@ -309,3 +311,101 @@ def test_a_body_that_leaves_the_transaction_unable_to_commit_refuses_the_batch(h
         )
     assert ran == ["a"]
     assert ProcessedEvent.objects.count() == 0
+
+
+class CallbackFailed(RuntimeError):
+    pass
+
+
+def hooking(event: str, ran: list[str], fail: bool = False, robust: bool = False) -> Any:
+    """A body that registers ``on_commit`` callbacks recording ``event``; with ``fail``, one
+    that raises (``robust``, or not) before the second of them."""
+
+    def body() -> None:
+        transaction.on_commit(lambda: ran.append(f"{event} 1"))
+        if fail:
+
+            def raises() -> None:
+                raise CallbackFailed(f"callback of {event}")
+
+            transaction.on_commit(raises, robust=robust)
+        transaction.on_commit(lambda: ran.append(f"{event} 2"))
+
+    return body
+
+
+def test_a_callback_that_raises_skips_only_its_own_bodys_later_callbacks() -> None:
+    """Regression: Django runs a transaction's callbacks until one raises, and raises after
+    the COMMIT, so a batch's failing callback skipped every other event's later callbacks and
+    came out of the caller's ``atomic`` as if the batch had failed. Each body's callbacks now
+    behave as in a transaction of its own: the failure skips the rest of that body's, is
+    logged and kept in the event's counter (as ``process_event`` keeps it), and is reported to
+    the caller; nothing is raised after the COMMIT."""
+    ran: list[str] = []
+    reported: list[tuple[int, Exception]] = []
+    with transaction.atomic():
+        results = process_first_deliveries(
+            "ledger",
+            [
+                ("a", hooking("a", ran)),
+                ("b", hooking("b", ran, fail=True)),
+                ("c", hooking("c", ran)),
+            ],
+            on_commit_failed=lambda index, failure: reported.append((index, failure)),
+        )
+    assert [r.applied for r in results] == [True, True, True]
+    assert ran == ["a 1", "a 2", "b 1", "c 1", "c 2"]
+    assert ProcessedEvent.objects.count() == 3
+    [(index, failure)] = reported
+    assert index == 1 and isinstance(failure, OnCommitFailed)
+    assert isinstance(failure.__cause__, CallbackFailed)
+    [counter] = EventDelivery.objects.all()
+    assert counter.event_id == "b" and counter.parked_at is None
+    assert counter.last_error.startswith("OnCommitFailed: Event b for consumer 'ledger'")
+
+
+def test_a_robust_callback_that_raises_is_djangos_to_log() -> None:
+    ran: list[str] = []
+    reported: list[tuple[int, Exception]] = []
+    with transaction.atomic():
+        process_first_deliveries(
+            "ledger",
+            [("a", hooking("a", ran, fail=True, robust=True)), ("b", hooking("b", ran))],
+            on_commit_failed=lambda index, failure: reported.append((index, failure)),
+        )
+    assert ran == ["a 1", "a 2", "b 1", "b 2"]
+    assert reported == []
+    assert not EventDelivery.objects.exists()
+
+
+def test_a_rolled_back_batch_runs_no_callback() -> None:
+    ran: list[str] = []
+    with pytest.raises(CallbackFailed), transaction.atomic():
+        process_first_deliveries("ledger", [("a", hooking("a", ran))])
+        raise CallbackFailed("the caller's own failure")
+    assert ran == []
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_callbacks_keep_to_their_body_on_the_partitioned_layout(
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """With EVENT_PARTITIONS each event goes through process_event in a savepoint; its
+    callbacks wait for the caller's commit all the same, and keep to their body too. (The
+    layout is converted inside the test's transaction, so the callbacks run as Django's
+    test case runs them, from the list a commit would run.)"""
+    from django_idempotency.retention import partitioning
+
+    ran: list[str] = []
+    reported: list[int] = []
+    with override_settings(IDEMPOTENCY={"EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")
+        with django_capture_on_commit_callbacks(execute=True), transaction.atomic():
+            process_first_deliveries(
+                "ledger",
+                [(str(new_event_id()), hooking(name, ran, fail=name == "b")) for name in "abc"],
+                on_commit_failed=lambda index, failure: reported.append(index),
+            )
+        assert ran == ["a 1", "a 2", "b 1", "c 1", "c 2"]
+        assert reported == [1]

@@ -408,12 +408,58 @@ def test_batch_killed_after_the_database_commit_before_the_offset_commit(
 @pytest.mark.slow
 @pytest.mark.postgres
 @pytest.mark.mysql
+@pytest.mark.second_broker
 def test_batch_poison_message_is_dead_lettered_and_the_consumer_goes_on(
-    kafka_cluster: Cluster, batched: Any
+    kafka_cluster: Cluster, batched: Any, tmp_path: Path
 ) -> None:
-    one_at_a_time.test_poison_message_is_dead_lettered_and_the_consumer_goes_on(
-        kafka_cluster, batched
+    """BATCH_SIZE=3, the poison, a message that fails twice and one without an event id behind
+    four warm-up messages, so they meet batches: each batch that holds one of them rolls back
+    and goes one message at a time, the poison and the id-less message are dead-lettered, the
+    flaky one is applied, and every healthy message once. Regression (of the test): it ran the
+    one-at-a-time proof with BATCH_SIZE=50, whose eight messages never left the warm-up, so no
+    batch ran. (``fail_twice`` reads the delivery counter, which a batched partition's first
+    deliveries skip; ``fail_first_two`` counts the handler's executions.)"""
+    warm_up = one_at_a_time.events(4)
+    [poison] = one_at_a_time.events(1, behaviour="fail")
+    [flaky] = one_at_a_time.events(1, behaviour="fail_first_two")
+    no_id = {"behaviour": "none", "note": "no event id"}
+    healthy = one_at_a_time.events(8)
+    kafka_cluster.produce(
+        batched.topic,
+        [*warm_up, poison, flaky, no_id, *healthy],
+        key=lambda e: "one-partition",
     )
+    consumer = batched(SHOP_KAFKA_PROBE_DIR=str(tmp_path), **SMALL_BATCH)
+    kafka_cluster.wait_caught_up(batched.topic, batched.group, timeout=120)
+
+    applied = Counter(e["event_id"] for e in [*warm_up, flaky, *healthy])
+    assert one_at_a_time.effects() == applied  # the failures rolled their effects back
+    dead = kafka_cluster.read(f"{batched.topic}.dlq", 2)
+    by_id = {dict(m.headers() or []).get("event_id"): m for m in dead}
+    assert set(by_id) == {poison["event_id"].encode(), None}
+    headers = dict(by_id[poison["event_id"].encode()].headers() or [])
+    assert headers["dlq.deliveries"] == b"4"  # MAX_DELIVERIES=3, parked on the 4th
+    assert headers["dlq.error"].startswith(b"RuntimeError: poison message")
+    assert headers["dlq.offset"] == b"4"
+    assert dict(by_id[None].headers() or [])["dlq.error"].startswith(b"MissingEventId")
+    # The poison's first execution was in a batch (its batch-mates reserved with it), and
+    # healthy messages shared batches after it.
+    runs = (tmp_path / f"{poison['event_id']}.runs").read_text().split()
+    assert int(runs[0]) >= 2, runs
+    assert max(batch_mates_counts().values()) >= 2
+    assert consumer.process.poll() is None  # still consuming
+    assert consumer.terminate() == 0
+    output = consumer.output()
+    assert "rolled back, applying them one at a time" in output
+    stopped = output.rsplit("stopped: ", 1)[1].strip().split(", ")
+    assert {"13 applied", "2 dead-lettered"} <= set(stopped), stopped
+
+
+def batch_mates_counts() -> Counter[Any]:
+    """How many of the consumer's reservations each ``processed_at`` has: one per message
+    alone, the batch's size for a batch."""
+    rows = ProcessedEvent.objects.filter(consumer="shop.kafka")
+    return Counter(rows.values_list("processed_at", flat=True))
 
 
 @pytest.mark.slow
@@ -490,7 +536,4 @@ def test_batch_two_consumers_through_rebalances_apply_each_event_once(
     small.topic = batched.topic  # type: ignore[attr-defined]
     small.group = batched.group  # type: ignore[attr-defined]
     one_at_a_time.test_two_consumers_through_rebalances_apply_each_event_once(kafka_cluster, small)
-    stamps = Counter(
-        ProcessedEvent.objects.filter(consumer="shop.kafka").values_list("processed_at", flat=True)
-    )
-    assert max(stamps.values()) >= 2  # some messages shared a batch
+    assert max(batch_mates_counts().values()) >= 2  # some messages shared a batch

@@ -7,11 +7,18 @@ must end on the dead-letter topic within its limit, and every healthy message be
 A message that hangs its handler is ended by the runner's watchdog (``HANDLER_TIMEOUT``, short
 here), and is then dead-lettered as one that kills its consumer is.
 Runs on the mock cluster, or on the broker named by ``KAFKA_BOOTSTRAP_SERVERS`` (Tansu).
+
+Each kind runs one message at a time (``BATCH_SIZE=1``) and in batch mode (``BATCH_SIZE=3``).
+In batch mode the poison sits behind four warm-up messages (a new owner takes its first
+``BATCH_SIZE`` messages one at a time, and one more to settle) and one healthy message, so the
+first consumer meets it inside a batch; the test checks that it did, and that healthy messages
+shared batches, by the reservations' ``processed_at`` (one per batch).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from collections import Counter
@@ -24,6 +31,7 @@ from django.db import connection
 pytest.importorskip("confluent_kafka")
 
 from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
+from django_idempotency.models import ProcessedEvent
 from testproject.shop.models import Effect
 from tests.kafka_cluster import Cluster, ConsumerProcess, start_consumer
 from tests.workers import database_url
@@ -79,22 +87,53 @@ KINDS = [
 ]
 
 
+#: The kinds whose event id the runner cannot read: the handler never runs for them.
+NO_ID = {"deeply-nested", "surrogate-id", "nul-id"}
+
+BATCH = 3
+"""``BATCH_SIZE`` of the batch mode runs."""
+WARM_UP = BATCH + 1
+"""Messages a new owner takes one at a time before it batches: ``BATCH_SIZE``, and one more to
+settle the partition."""
+
+MODES = [
+    pytest.param(1, id="one-at-a-time"),
+    # Batch mode on PostgreSQL too (the module runs in MariaDB's pass).
+    pytest.param(BATCH, id="batch", marks=pytest.mark.postgres),
+]
+
+
+@pytest.mark.parametrize("batch_size", MODES)
 @pytest.mark.parametrize("kind", KINDS)
 def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
-    kafka_cluster: Cluster, tmp_path: Path, kind: str
+    kafka_cluster: Cluster, tmp_path: Path, kind: str, batch_size: int
 ) -> None:
     topic = kafka_cluster.new_topic("poison")
     group = f"group-{uuid.uuid4().hex[:8]}"
     value, deaths, dead_letters = poison(kind)
-    healthy = [{"event_id": str(uuid.uuid4())} for _ in range(3)]
+    batched = batch_size > 1
+    if batched and deaths:
+        # Its first death came in a batch, a first delivery, uncounted (the batch rolled back):
+        # one death more before the MAX_DELIVERIES counted ones.
+        deaths += 1
+    # Batch mode: the warm-up and one healthy message ahead, the poison the second message of
+    # its batch, and enough behind it to fill batches after the last owner's warm-up.
+    ahead = WARM_UP + 1 if batched else 0
+    healthy = [{"event_id": str(uuid.uuid4())} for _ in range(ahead + (8 if batched else 3))]
+    bodies = [json.dumps(h).encode() for h in healthy]
+    bodies.insert(ahead, value)
     producer = Producer(
         {"bootstrap.servers": kafka_cluster.bootstrap, "message.max.bytes": 4_000_000}
     )
-    for body in [value, *(json.dumps(h).encode() for h in healthy)]:
+    for body in bodies:
         producer.produce(topic, value=body, key=b"one-partition")
     assert producer.flush(30) == 0
 
-    extra_env = {"SHOP_KAFKA_EVENT_ID": "json:event_id"}
+    extra_env = {
+        "SHOP_KAFKA_EVENT_ID": "json:event_id",
+        "SHOP_KAFKA_BATCH_SIZE": str(batch_size),
+        "SHOP_KAFKA_PROBE_DIR": str(tmp_path),
+    }
     if kind == "hangs":  # short, so the test is; ample for a healthy message on a loaded machine
         extra_env["SHOP_KAFKA_HANDLER_TIMEOUT"] = "2"
     started: list[ConsumerProcess] = []
@@ -135,6 +174,32 @@ def test_poison_is_dead_lettered_and_every_healthy_message_applied_once(
     assert effects() == expected
     dead = kafka_cluster.read(f"{topic}.dlq", 1, timeout=10 if not dead_letters else 30)
     assert [m.value() for m in dead] == [value] * dead_letters
+    if kind in ("raises", "huge"):
+        # Its handler ran once per counted delivery (MAX_DELIVERIES=3; the fourth is parked
+        # before it runs), and in batch mode once more, in the batch that first held it, which
+        # rolled back. Regression: each retry came back at the head of a batch, ran there,
+        # failed and rolled the batch back again before it ran alone: six runs.
+        runs = (tmp_path / f"{json.loads(value)['event_id']}.runs").read_text().split()
+        assert len(runs) == 3 + batched, runs
+    if batched:
+        assert_met_in_a_batch(kind, value, ahead, started[0].output(), tmp_path)
+        stamps = Counter(
+            ProcessedEvent.objects.filter(consumer="shop.kafka").values_list(
+                "processed_at", flat=True
+            )
+        )
+        assert max(stamps.values()) >= 2, stamps  # healthy messages shared a batch
+
+
+def assert_met_in_a_batch(kind: str, value: bytes, offset: int, log: str, probes: Path) -> None:
+    """The first consumer met the poison (at ``offset``) inside a batch of two or more."""
+    if kind in NO_ID:
+        # No handler runs for it: the batch that held it failed on its id before it began.
+        spans = re.findall(r"batch of (\d+) messages rolled back.*?@(\d+) to \S+@(\d+)", log)
+        assert [s for s in spans if int(s[0]) >= 2 and int(s[1]) <= offset <= int(s[2])], log
+        return
+    runs = (probes / f"{json.loads(value)['event_id']}.runs").read_text().split()
+    assert int(runs[0]) >= 2, runs  # its first execution: reserved with its batch-mates
 
 
 def effects() -> Counter[str]:

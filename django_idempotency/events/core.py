@@ -60,6 +60,7 @@ signals) reads in order, top to bottom, as the delivery goes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -468,6 +469,7 @@ def process_first_deliveries(
     topic: str | None = None,
     ttl: timedelta | float | None = None,
     using: str | None = None,
+    on_commit_failed: Callable[[int, OnCommitFailed], object] | None = None,
 ) -> list[Processed[T]]:
     """Run each body once per ``(consumer, event_id)``, all in the caller's transaction: a batch
     of first deliveries (:func:`process_event` with ``redelivered=False``, for many at once).
@@ -486,6 +488,16 @@ def process_first_deliveries(
     and process the events one at a time with :func:`process_event`, which counts, isolates
     and parks. Nothing is counted here, as for any first delivery.
 
+    The ``on_commit`` callbacks a body registers run when the caller's transaction commits, as
+    if the body had had a transaction of its own: one that raises skips the later callbacks of
+    the same body (as Django skips a transaction's), never another body's, and it raises
+    nothing out of the caller's ``atomic``. The event stays applied, and the failure is handled
+    as :func:`process_event` handles it: logged at ERROR and kept in the event's counter
+    (``last_error``, as :class:`~django_idempotency.exceptions.OnCommitFailed`); then
+    ``on_commit_failed`` is called, if given, with the item's index and that
+    ``OnCommitFailed`` (the callback's error as its ``__cause__``). A ``robust=True`` callback
+    that raises is logged by Django, as ever, and the later ones run.
+
     On PostgreSQL's partitioned layout (``EVENT_PARTITIONS``) the events are processed one
     after another with :func:`process_event`, in a savepoint each.
     """
@@ -502,13 +514,32 @@ def process_first_deliveries(
     if not events:
         return []
     layout = event_store.sql_layout(connection, events[0])
+
+    def own_callbacks(index: int, start: int) -> None:
+        """The callbacks the body of item ``index`` registered, from ``start`` on: its own."""
+        _isolate_commit_hooks(
+            connection,
+            start,
+            events[index],
+            name,
+            topic_value,
+            ttl,
+            alias,
+            index,
+            on_commit_failed,
+        )
+
     if layout is not None and layout.columns:
-        return [
-            process_event(
-                name, event, body, topic=topic_value, ttl=ttl, using=alias, redelivered=False
+        processed: list[Processed[T]] = []
+        for index, (event, (_, body)) in enumerate(zip(events, items, strict=True)):
+            start = len(connection.run_on_commit)
+            processed.append(
+                process_event(
+                    name, event, body, topic=topic_value, ttl=ttl, using=alias, redelivered=False
+                )
             )
-            for event, (_, body) in zip(events, items, strict=True)
-        ]
+            own_callbacks(index, start)
+        return processed
     now = timezone.now()
     distinct = list(dict.fromkeys(events))
     states = telemetry.traced("idempotency.reserve")(event_store.reserve_first_deliveries)(
@@ -521,9 +552,10 @@ def process_first_deliveries(
             f"them {parked[0]}: process the batch one event at a time."
         )
     results: list[Processed[T]] = []
-    for event, (_, body) in zip(events, items, strict=True):
+    for index, (event, (_, body)) in enumerate(zip(events, items, strict=True)):
         if states[event] == RESERVED:
             states[event] = PROCESSED  # a second occurrence in the batch is a duplicate
+            start = len(connection.run_on_commit)
             results.append(Processed(True, body()))
             if event_store.transaction_doomed(connection):
                 # Its COMMIT would roll every event of the batch back, silently.
@@ -532,6 +564,7 @@ def process_first_deliveries(
                     "unable to commit (an error caught without a savepoint, or set_rollback): "
                     "process the batch one event at a time."
                 )
+            own_callbacks(index, start)
             telemetry.delivery(name, "applied")
         else:
             _duplicate_ignored(event, name, topic_value)
@@ -634,9 +667,66 @@ def _duplicate_ignored(event: str, consumer: str, topic: str) -> None:
     signals.event_duplicate.send(sender=consumer, event_id=event, topic=topic)
 
 
+def _isolate_commit_hooks(
+    connection: Any,  # django-stubs type run_on_commit as Django 4.1's pairs
+    start: int,
+    event: str,
+    name: str,
+    topic: str,
+    ttl: Any,
+    alias: str,
+    index: int,
+    report: Callable[[int, OnCommitFailed], object] | None,
+) -> None:
+    """Make the ``on_commit`` callbacks one body of a batch registered (the connection's from
+    ``start`` on) behave as in a transaction of the body's own.
+
+    Django runs a transaction's callbacks in order, and the first one that raises skips every
+    later one and raises out of ``atomic``, after the ``COMMIT``: in a batch, the other events'
+    callbacks were lost and the caller took the committed batch for a failed one. Each callback
+    is wrapped here, in place (``run_on_commit`` holds ``(savepoint ids, callback, robust)``
+    entries, on every Django this package supports): once one of this body's callbacks has
+    raised, its later ones are skipped, and the error is recorded against this event (see
+    :func:`process_first_deliveries`) instead of raised. The body's own savepoints are all
+    closed by now, so its entries are exactly the ones past ``start``.
+    """
+    failed: list[Exception] = []
+
+    def guarded(func: Callable[[], object], robust: bool) -> Callable[[], None]:
+        @functools.wraps(func)
+        def run() -> None:
+            if failed:
+                return  # skipped, as Django skips a transaction's later callbacks
+            if robust:
+                func()  # Django logs a robust callback's error, and goes on
+                return
+            try:
+                func()
+            except Exception as exc:  # noqa: BLE001 - logged and recorded as OnCommitFailed
+                failed.append(exc)
+                delivery = _count_skipped(event, name, topic, ttl, alias)
+                failure = _commit_hook_failed(event, name, delivery, exc, alias)
+                failure.__cause__ = exc
+                if report is not None:
+                    report(index, failure)
+
+        return run
+
+    hooks = connection.run_on_commit
+    hooks[start:] = [(sids, guarded(func, robust), robust) for sids, func, robust in hooks[start:]]
+
+
 def _after_commit_failed(
     event: str, consumer: str, delivery: Delivery | None, error: Exception, using: str
 ) -> NoReturn:
+    raise _commit_hook_failed(event, consumer, delivery, error, using) from error
+
+
+def _commit_hook_failed(
+    event: str, consumer: str, delivery: Delivery | None, error: Exception, using: str
+) -> OnCommitFailed:
+    """Log an event whose ``on_commit`` callback raised after its commit, keep the error in
+    its counter (``delivery``), and return the :class:`OnCommitFailed` that says so."""
     logger.error(
         "event %s applied and committed for consumer %s, but an on_commit callback then "
         "failed: %s: %s. A redelivery is skipped as a duplicate, so the callback's work is "
@@ -653,7 +743,7 @@ def _after_commit_failed(
     )
     if delivery is not None:
         event_store.record_error(delivery, failure, using)
-    raise failure from error
+    return failure
 
 
 def _park_and_raise(delivery: Delivery, limit: int, using: str) -> NoReturn:

@@ -54,7 +54,7 @@ from django_idempotency.events.core import (
     process_event,
     process_first_deliveries,
 )
-from django_idempotency.exceptions import EventParked, MissingEventId, log_text
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed, log_text
 from django_idempotency.extras import missing_extra
 from django_idempotency.kafka.settings import PARTITIONER, ConsumerSettings
 from django_idempotency.kafka.watchdog import Watchdog
@@ -211,6 +211,9 @@ class ConsumerRunner:
         self._warmup: dict[tuple[str, int], int] = {}
         """Batch mode: how many messages each partition must still apply one at a time, each
         counted, since it was assigned here, before it settles (see handle_batch())."""
+        self._retrying: dict[tuple[str, int], int] = {}
+        """Batch mode: the offset of each partition's message that failed alone and comes back;
+        it is taken alone again, not in a batch, until it is applied or dead-lettered."""
         self._paused: dict[tuple[str, int], float] = {}
         """Partitions paused after a failed message, with when to resume them."""
         self._assigned: set[tuple[str, int]] = set()
@@ -312,10 +315,14 @@ class ConsumerRunner:
             {"idempotency.consumer": self.settings.name, "idempotency.outcome": outcome.value},
         )
         topic, partition, offset = _position(message)
+        key = (topic, partition)
         if outcome is Outcome.RETRY:
             self._retry_at(topic, partition, offset)
+            if self.settings.batch_size > 1:
+                self._retrying[key] = offset
         else:
-            key = (topic, partition)
+            if offset >= self._retrying.get(key, offset + 1):
+                del self._retrying[key]  # the message that failed is done: batches again
             # Only an applied message counts: a duplicate (an earlier owner applied it) or a
             # dead letter leaves the warm-up as it is (see handle_batch()).
             if outcome is Outcome.APPLIED:
@@ -340,6 +347,11 @@ class ConsumerRunner:
         is parked after ``MAX_DELIVERIES`` deaths, never hidden in a batch. Duplicates (the
         earlier owner's batches that committed before their offsets, with
         ``COMMIT_INTERVAL``) do not count towards the ``BATCH_SIZE``.
+
+        A message that failed alone (after its batch rolled back) comes back alone, not at the
+        head of a batch, until it is applied or dead-lettered: in a batch it would run, fail
+        and roll its batch back once more on every retry, uncounted, and its handler would run
+        up to twice ``MAX_DELIVERIES`` times.
         """
         by_partition: dict[tuple[str, int], list[Message]] = {}
         for message in messages:
@@ -348,7 +360,7 @@ class ConsumerRunner:
         for key, run in by_partition.items():
             if self._stopping.is_set():
                 break
-            while run and key not in self._settled:
+            while run and (key not in self._settled or key in self._retrying):
                 handled += 1
                 if self.handle(run.pop(0)) is Outcome.RETRY:
                     run = []
@@ -367,6 +379,9 @@ class ConsumerRunner:
                 first, last = _describe(messages[0]), _describe(messages[-1])
                 return f"a batch of {len(messages)}, {first} to {last}"
 
+            # Callbacks that raised after the batch's COMMIT: the batch is applied all the same
+            # (process_first_deliveries keeps each message's callbacks to itself).
+            hooks_failed: list[tuple[int, OnCommitFailed]] = []
             with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
                 # A settled partition: first deliveries, reserved together up front.
                 processed = process_first_deliveries(
@@ -377,6 +392,7 @@ class ConsumerRunner:
                     ],
                     topic=messages[0].topic(),
                     using=conf.DATABASE,
+                    on_commit_failed=lambda index, failure: hooks_failed.append((index, failure)),
                 )
             outcomes = [Outcome.APPLIED if p.applied else Outcome.DUPLICATE for p in processed]
         except Exception:  # logged; the messages are then applied one at a time
@@ -396,6 +412,8 @@ class ConsumerRunner:
                 if self.handle(message) is Outcome.RETRY:
                     break
             return handled
+        for index, failure in hooks_failed:
+            self._commit_hook_failed(messages[index], ids[index], failure)
         self.counts.update(outcomes)
         topic, partition, offset = _position(messages[-1])
         self._done[topic, partition] = offset + 1
@@ -449,6 +467,9 @@ class ConsumerRunner:
             except DatabaseError:
                 return self._retry_later(message, event_id)
             return self._dead_letter(message, error, deliveries)
+        except OnCommitFailed as failure:  # committed: applied, and a redelivery is a duplicate
+            self._commit_hook_failed(message, event_id, failure)
+            return Outcome.APPLIED
         except Exception:  # noqa: BLE001 - logged with its traceback, recorded, redelivered
             return self._retry_later(message, event_id)
         return Outcome.APPLIED if processed.applied else Outcome.DUPLICATE
@@ -478,6 +499,20 @@ class ConsumerRunner:
             del self._paused[key]
         waits = [at - now for at in self._paused.values()]
         return max(0.0, min([self.settings.poll_timeout, *waits]))
+
+    def _commit_hook_failed(
+        self, message: Message, event_id: str, failure: OnCommitFailed
+    ) -> None:
+        """An ``on_commit`` callback of the handler raised after the commit (the core logged it
+        and kept it in the counter): the message is applied, and its offset is committed."""
+        logger.warning(
+            "on_commit callback failed after the commit; the message is applied, its offset "
+            "committed, and it is not delivered again: event %s, consumer %s, %s",
+            log_text(event_id),
+            self.settings.name,
+            _describe(message),
+            exc_info=failure,
+        )
 
     def _retry_later(self, message: Message, event_id: str) -> Outcome:
         logger.warning(
@@ -600,6 +635,7 @@ class ConsumerRunner:
         self._assigned -= keys
         for key in keys:
             self._warmup.pop(key, None)
+            self._retrying.pop(key, None)
 
     def _log_waiting(self) -> None:
         if not self._assigned:
