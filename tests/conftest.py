@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from django.db import connection
@@ -80,6 +80,25 @@ def django_db_setup(django_db_setup: None) -> Iterator[None]:
 
         connections.close_all()
         close_pooled_server_connections()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def mysql_server_data(django_db_blocker: Any) -> None:
+    """Read each MySQL/MariaDB alias's server data (version, modes) once, before any test.
+
+    Since Django 6.0 a field's type on MySQL depends on the server (``has_native_uuid_field``),
+    so the system checks (``run_checks()``, which a test may call without database access)
+    ask every alias's server, the ``repeatable_read`` mirror's too. Unread, it was read by
+    whichever test came first in a worker: a check test that came first failed with
+    "Database access not allowed". Read here, it is cached on each connection for the run.
+    """
+    from django.db import connections
+
+    with django_db_blocker.unblock():
+        for alias in connections:
+            connection = connections[alias]
+            if connection.vendor == "mysql":
+                connection.mysql_server_data  # noqa: B018 - a cached property, read to cache it
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
