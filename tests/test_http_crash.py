@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from django_idempotency.models import IdempotencyRecord
 from testproject.shop.models import Effect
@@ -98,7 +99,13 @@ def test_lease_sigkill_mid_view_then_retry_inside_and_after_the_lease(server: Gu
     assert "error" in outcome or outcome["reply"].status >= 500, outcome
 
     inside = server.post("/probe/lease-short/", key)
-    assert inside.status == 409  # the lease (3 s) has not run out
+    answered = timezone.now()
+    if answered < claim.locked_until:
+        assert inside.status == 409  # answered inside the lease (3 s): still held
+    else:
+        # A loaded machine took longer than the lease to kill the worker and answer: the retry
+        # may already have taken over (the lease's own rule); what follows holds either way.
+        assert inside.status in (409, 201), inside
     reply, _ = retry_until_done(server, "/probe/lease-short/", key)
     assert reply.status == 201
     record = IdempotencyRecord.objects.get(key=key)
