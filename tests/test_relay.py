@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from io import StringIO
 from typing import Any
+from unittest import mock
 
 import pytest
 from django.core.checks import run_checks
@@ -26,6 +27,7 @@ from django.utils import timezone
 
 from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
+from django_idempotency.outbox.capture import is_change_capture
 from django_idempotency.outbox.relay import BatchResult, Relay
 from django_idempotency.outbox.transports import (
     CeleryTransport,
@@ -533,6 +535,33 @@ def test_transports_are_built_from_the_setting_once_per_process() -> None:
         assert first.closed
         assert get_transport("default") is not first
         close_transports()
+
+
+class OtherRecordingTransport(RecordingTransport):
+    """What a test patches in at ``RecordingTransport``'s dotted path."""
+
+
+def test_a_class_patched_at_the_backend_path_is_built_once_the_setting_changes() -> None:
+    """``mock.patch`` of a transport class at its ``BACKEND`` path, then ``override_settings``
+    (or ``close_transports()``): the next transport is built from the patched class, and
+    ``send()`` asks the patched class, as when every build imported the path afresh."""
+    path = "tests.test_relay.RecordingTransport"
+    transports = {"default": {"BACKEND": path}}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}):
+        assert type(get_transport("default")) is RecordingTransport
+    with (
+        mock.patch(path, OtherRecordingTransport),
+        override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}),
+    ):
+        assert type(get_transport("default")) is OtherRecordingTransport
+    with (
+        mock.patch(path, OtherRecordingTransport),
+        mock.patch.object(OtherRecordingTransport, "change_capture", True, create=True),
+    ):
+        close_transports()
+        assert is_change_capture(path)
+    close_transports()
+    assert not is_change_capture(path)
 
 
 @pytest.mark.parametrize(

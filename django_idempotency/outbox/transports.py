@@ -177,16 +177,20 @@ def backend_class(backend: str) -> Any:
 
     ``outbox.send()`` reads the class of its message's transport for every message (does it
     validate messages? is it read from the log?). A path that does not import raises
-    ``ImportError`` each time, and is not remembered.
+    ``ImportError`` each time, and is not remembered. The classes are forgotten with the built
+    transports (:func:`close_transports`, a change of the setting), so a class patched in at
+    the same path (``mock.patch``) is the one built next.
     """
     return import_string(backend)
 
 
 def close_transports() -> None:
-    """Close and forget every transport this process built (the relay calls it on exit)."""
+    """Close and forget every transport this process built, and the classes imported for them
+    (:func:`backend_class`); the relay calls it on exit."""
     with _lock:
         built = list(_transports.values())
         _transports.clear()
+        backend_class.cache_clear()
     for transport in built:
         transport.close()
 
