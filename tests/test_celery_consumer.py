@@ -147,6 +147,15 @@ def retries_exhausted(self: IdempotentConsumer, event_id: str) -> None:
     raise Boom("no retries left")
 
 
+@app.task(base=IdempotentConsumer, bind=True, name="tests.calls_itself", default_retry_delay=0)
+def calls_itself(self: IdempotentConsumer, event_id: str, inner: bool = False) -> None:
+    """Call itself directly (a delivery of another event, nested in this one), then retry."""
+    Effect.objects.create(name="calls_itself", payload=event_id)
+    if not inner:
+        calls_itself(event_id=f"{event_id}-inner", inner=True)
+        raise self.retry(exc=Boom("after the nested call"))
+
+
 class EnvelopeConsumer(IdempotentConsumer):
     """Messages shaped (envelope_id, body): the id is the first positional argument."""
 
@@ -622,6 +631,21 @@ def test_from_a_broker_a_retry_by_hand_is_published_after_the_failure_is_counted
     assert seen and set(seen) == {0}
     assert EventDelivery.objects.get().deliveries == 1
     assert len(published(memory_broker)) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_after_the_body_called_its_own_task_still_waits_for_the_count(
+    memory_broker: Any,
+) -> None:
+    """The nested call holds its own retries while it runs; once it has returned, the outer
+    body's retry is held again, not published inside the body."""
+    with queued_at_statements(memory_broker, EventDelivery) as seen, pytest.raises(Retry):
+        from_broker(calls_itself, lambda: calls_itself(event_id="evt"))
+    assert seen and set(seen) == {0}
+    assert "after the nested call" in EventDelivery.objects.get(event_id="evt").last_error
+    assert not effects("calls_itself")  # the nested delivery rolled back with this one
+    (message,) = published(memory_broker)
+    assert message.decode()[1] == {"event_id": "evt"}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -247,6 +247,9 @@ class IdempotentConsumerMixin(_TaskBase):
         held: list[_Publish] = []
 
         def body() -> Any:
+            # A body that calls its own task directly nests a delivery in this request's copy:
+            # once it has returned, the outer body's retries are held again.
+            outer = getattr(request, _HELD_RETRIES, None)
             if from_broker:
                 # The request the body runs under is a copy of this one: it shares the list.
                 request.update({_HELD_RETRIES: held})
@@ -259,7 +262,7 @@ class IdempotentConsumerMixin(_TaskBase):
                 return None
             finally:
                 if from_broker:
-                    request.update({_HELD_RETRIES: None})
+                    request.update({_HELD_RETRIES: outer})
 
         try:
             with telemetry.consuming(consumer, telemetry.celery_carrier(request), event_id):
