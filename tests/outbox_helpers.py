@@ -245,13 +245,15 @@ class TimedTransport(CeleryTransport):
                     out.write(json.dumps([*line, self._acked[index], os.getpid()]) + "\n")
         return results
 
-    def _publish_all(self, producer: Any, call: Any, indexes: Any, confirms: Any = None) -> Any:
+    def _publish_all(
+        self, producer: Any, call: Any, indexes: Any, confirms: Any = None, redis: Any = None
+    ) -> Any:
         self._stamp_acked()
         indexes = list(indexes)
         started = time.time_ns()
         for index in indexes:
             self._started.setdefault(index, started)
-        tags = super()._publish_all(producer, call, indexes, confirms)
+        tags = super()._publish_all(producer, call, indexes, confirms, redis)
         self._in_flight = indexes
         return tags
 

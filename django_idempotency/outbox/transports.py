@@ -59,6 +59,7 @@ from django_idempotency import telemetry
 from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
+from django_idempotency.outbox import celery_redis
 from django_idempotency.outbox.saferepr import task_repr
 
 if TYPE_CHECKING:
@@ -243,9 +244,11 @@ class CeleryTransport:
       the earlier ones of its key were confirmed: a batch costs as many round trips as its most
       frequent key has messages (one when no key repeats). ``transactions=True`` publishes the
       batch in one AMQP transaction instead and counts it sent when ``tx.commit`` returns.
-    * **Redis**: one pipeline per batch (kombu's ``Producer.batch``), counted sent once Redis has
-      answered it; a failed flush reports every message of the call failed. A message survives a
-      Redis restart only with ``appendonly yes``.
+    * **Redis**: one pipeline per batch, one ``LPUSH`` per list, counted sent once Redis has
+      answered it; a failed pipeline reports every message of the call failed. The messages
+      are the ones kombu writes (:mod:`~django_idempotency.outbox.celery_redis`; a batch it does
+      not cover goes through kombu's ``Producer.batch``). A message survives a Redis restart
+      only with ``appendonly yes``.
 
     No broker call waits longer than ``timeout`` seconds (socket reads and writes, the
     connection handshake, the wait for a round's confirms), so a broker that stops answering
@@ -268,6 +271,9 @@ class CeleryTransport:
         with confirms.
     :param connect_timeout: seconds to wait for the broker's connection.
     :param timeout: the most seconds any one broker call may wait (default 10).
+    :param fast_redis: on Redis, write each batch in a pipeline of its own with the messages
+        kombu would write (:mod:`~django_idempotency.outbox.celery_redis`), about a third of
+        the time per message; ``False`` publishes through kombu's ``Producer.batch`` instead.
     """
 
     def __init__(
@@ -278,6 +284,7 @@ class CeleryTransport:
         transactions: bool = False,
         connect_timeout: float = 5.0,
         timeout: float = 10.0,
+        fast_redis: bool = True,
     ) -> None:
         for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -288,6 +295,7 @@ class CeleryTransport:
         self.broker_url = broker_url
         self.confirm_publish = confirm_publish
         self.transactions = transactions
+        self.fast_redis = bool(fast_redis)
         self.connect_timeout = float(connect_timeout)
         self.timeout = float(timeout)
         self._connection: Any = None
@@ -407,7 +415,8 @@ class CeleryTransport:
                 self._send_confirmed(producer, call, self._confirms)
             elif self.transactions:
                 self._send_transaction(producer, call)
-            else:
+            elif not self._send_redis(producer, call):
+                call = _Call(messages)  # the Redis batch wrote nothing: through kombu instead
                 self._send_batch(producer, call)
         except Exception as exc:  # noqa: BLE001 - the batch's flush, commit or wait failed
             # Only messages the broker confirmed in an earlier round are known to be there: the
@@ -418,6 +427,37 @@ class CeleryTransport:
                 for index in range(len(messages))
             ]
         return call.results
+
+    def _send_redis(self, producer: Any, call: _Call) -> bool:
+        """Redis: the call in one pipeline of its own (:mod:`.celery_redis`), the same messages
+        kombu would write, in a third of the time; False (nothing written) when a message needs
+        kombu, or the transport was built with ``fast_redis=False``."""
+        if not self.fast_redis or self._connection.transport.driver_type != "redis":
+            return False
+        app = self.app
+        channel = producer.channel
+        if producer.exchange.name or not celery_redis.covered(app, channel):
+            return False
+        from celery import signals
+
+        settings = _AppSettings.read(app)
+        quiet = not any(
+            signal.receivers
+            for signal in (
+                signals.before_task_publish,
+                signals.after_task_publish,
+                signals.task_sent,
+            )
+        )
+        templates = quiet and not settings.sent_event and celery_redis.static_routes(app)
+        batch = celery_redis.RedisBatch(channel, producer.exchange.delivery_mode, templates)
+        try:
+            self._publish_all(batch, call, range(len(call.messages)), redis=batch)
+        except celery_redis.NotCovered:
+            return False
+        with channel.conn_or_acquire() as client:
+            batch.execute(client)
+        return True
 
     def _send_batch(self, producer: Any, call: _Call) -> None:
         """Redis (one pipeline), or RabbitMQ without confirms: publish all, flush once."""
@@ -470,11 +510,13 @@ class CeleryTransport:
         call: _Call,
         indexes: Iterable[int],
         confirms: _Confirms | None = None,
+        redis: celery_redis.RedisBatch | None = None,
     ) -> dict[int, int]:
         """Publish the messages at ``indexes``; returns their indexes by delivery tag.
 
         A message that cannot be published gets its error and holds back the later messages of
-        its key; a lost connection raises (the whole call fails).
+        its key; a lost connection raises (the whole call fails). With ``redis`` (the producer
+        too), a message of a kind already built in this call is a copy of that one.
         """
         tags: dict[int, int] = {}
         declared: set[str] = set()
@@ -487,6 +529,11 @@ class CeleryTransport:
             try:
                 message = call.messages[index]
                 with telemetry.sending(message.headers, {"messaging.system": "celery"}):
+                    kind: tuple[Any, ...] = ()
+                    if redis is not None:
+                        kind, copied = self._redis_copy(redis, settings, message)
+                        if copied:
+                            continue
                     name, task_message, options = self._task_message(app, settings, message)
                     queue = options.get("queue")
                     queue_name = getattr(queue, "name", queue)
@@ -495,6 +542,10 @@ class CeleryTransport:
                     app.amqp.send_task_message(
                         producer, name, task_message, retry=False, **options
                     )
+                    if redis is not None:
+                        redis.remember(kind)
+            except celery_redis.NotCovered:
+                raise
             except Exception as exc:
                 if self._is_connection_error(exc):
                     raise
@@ -512,6 +563,25 @@ class CeleryTransport:
                     tags[published[0]] = index
                     confirms.ignore(published[1:])
         return tags
+
+    def _redis_copy(
+        self, batch: celery_redis.RedisBatch, settings: _AppSettings, message: OutboxMessage
+    ) -> tuple[tuple[Any, ...], bool]:
+        """``(kind, copied)``: the message written as a copy of its kind's template, if the
+        batch has one (``kind`` is what :meth:`RedisBatch.remember` needs otherwise)."""
+        args, kwargs, given = _envelope_parts(message.destination, message.payload)
+        headers = {**message.headers, EVENT_ID_KEY: message.event_id}
+        kind = batch.kind(message.destination, given, headers)
+        copied = batch.copy(
+            kind,
+            message.event_id,
+            args,
+            kwargs,
+            lambda: task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
+            lambda: task_repr(kwargs or {}, settings.kwargsrepr_size, settings.repr_levels),
+            headers,
+        )
+        return kind, copied
 
     def _task_message(
         self, app: Celery, settings: _AppSettings, message: OutboxMessage

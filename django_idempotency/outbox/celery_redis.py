@@ -1,0 +1,231 @@
+"""The Celery transport's Redis mode: a batch of task messages written in one pipeline.
+
+:class:`~django_idempotency.outbox.transports.CeleryTransport` builds each task message with
+Celery's own calls (the router, ``create_task_message``, ``send_task_message``). Through kombu,
+that cost about 110 µs a message on Redis, half of what one relay spent per message
+(``python -m bench.outbox``, issue 28). Two things here cut it, and a message on the wire stays
+byte for byte what kombu would write, but for its ``delivery_tag`` (a fresh uuid either way):
+
+* :class:`RedisBatch` stands in for kombu's ``Producer`` in ``send_task_message``: its
+  :meth:`~RedisBatch.publish` does what ``Producer.publish`` and the Redis channel's
+  ``basic_publish`` do for a message to the default (anonymous, direct) exchange, serialize
+  the body, ``prepare_message``, encode the body, the delivery tag and the priority's list, and
+  queues the ``LPUSH`` here. A batch's messages go in one pipeline at the end, one ``LPUSH`` per
+  list (Redis pushes a command's values in order, so a list's order is the call's).
+* Templates: the first message of a batch for a task and options (and header names) is built by
+  Celery as above; the others with the same are copies of it, with their own task id, arguments
+  and headers. Only where nothing else in a message can differ: a router made only of
+  ``task_routes`` maps (which route by name), no ``expires`` (a moment computed per message),
+  no receivers on Celery's publish signals, no task-sent events (``CeleryTransport`` checks
+  the last two per batch).
+
+Anything this does not cover (another exchange, a queue with ``x-expires``, compression, a
+protocol other than 2) raises :class:`NotCovered` before anything of the batch is written, and
+the transport sends that batch through kombu instead. The private kombu calls used
+(``Channel._q_for_pri``, ``_get_message_priority``, ``_next_delivery_tag`` and ``_expires``)
+are those kombu's own publish makes; ``tests/test_celery_redis.py`` compares what both paths
+write, message by message, on generated messages, on every kombu version the project supports.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+# kombu is imported where it is used: this module is imported with the transports, which a
+# project without Celery (Kafka only) imports too.
+
+__all__ = ["NotCovered", "RedisBatch", "covered"]
+
+
+class NotCovered(Exception):
+    """A message this module does not write; the batch goes through kombu instead."""
+
+
+def covered(app: Any, channel: Any) -> bool:
+    """Whether this app and channel are ones :class:`RedisBatch` writes for at all."""
+    from kombu.transport import redis as kombu_redis
+
+    return (
+        isinstance(channel, kombu_redis.Channel)
+        and int(app.conf.task_protocol) == 2
+        and not app.conf.task_compression
+    )
+
+
+def static_routes(app: Any) -> bool:
+    """Whether the app's router sends a task by its name alone (``task_routes`` maps only)."""
+    from celery.app.routes import MapRoute
+
+    return all(isinstance(route, MapRoute) for route in app.amqp.router.routes)
+
+
+class _Template:
+    """One message as written, and what differs between it and the next of its kind."""
+
+    __slots__ = ("embed", "key", "message", "serializer")
+
+    def __init__(self, key: str, message: dict[str, Any], embed: Any, serializer: str) -> None:
+        self.key = key
+        self.message = message
+        self.embed = embed
+        self.serializer = serializer
+
+
+class RedisBatch:
+    """A batch of task messages for one Redis channel, written by :meth:`execute`.
+
+    Pass it to ``app.amqp.send_task_message`` as the producer: Celery calls :meth:`publish`.
+    """
+
+    def __init__(self, channel: Any, default_delivery_mode: Any, templates: bool) -> None:
+        self.channel = channel
+        self.connection = channel.connection
+        self.default_delivery_mode = default_delivery_mode
+        self.templates_on = templates
+        self.lists: dict[str, list[str]] = {}
+        self.templates: dict[tuple[Any, ...], _Template] = {}
+        self._last: _Template | None = None
+
+    # --- Built by Celery ------------------------------------------------------------------
+
+    def publish(
+        self,
+        body: Any,
+        routing_key: str | None = None,
+        delivery_mode: Any = None,
+        mandatory: bool = False,
+        immediate: bool = False,
+        priority: int = 0,
+        content_type: str | None = None,
+        content_encoding: str | None = None,
+        serializer: str | None = None,
+        headers: dict[str, Any] | None = None,
+        compression: str | None = None,
+        exchange: Any = None,
+        retry: bool = False,
+        retry_policy: Any = None,
+        declare: Sequence[Any] | None = None,
+        expiration: float | None = None,
+        timeout: float | None = None,
+        confirm_timeout: float | None = None,
+        **properties: Any,
+    ) -> None:
+        """What ``Producer.publish`` and ``Channel.basic_publish`` write for this message."""
+        from kombu.common import maybe_declare
+        from kombu.entity import maybe_delivery_mode
+        from kombu.serialization import dumps as serialize
+
+        exchange_name = getattr(exchange, "name", exchange)
+        if exchange_name or compression or content_type or not routing_key or retry:
+            raise NotCovered("an exchange, compression or a raw body")
+        channel = self.channel
+        properties["delivery_mode"] = maybe_delivery_mode(
+            delivery_mode or self.default_delivery_mode
+        )
+        if expiration is not None:
+            properties["expiration"] = str(int(expiration * 1000))
+        content_type, content_encoding, data = serialize(body, serializer=serializer)
+        message = channel.prepare_message(
+            data, priority, content_type, content_encoding, headers, properties
+        )
+        for entity in declare or ():
+            maybe_declare(entity, channel)
+        if channel._expires and routing_key in channel._expires:  # known once declared
+            raise NotCovered("a queue with x-expires")
+        self._augment(message, routing_key)
+        self._last = (
+            _Template("", message, body[2], serializer or "json")
+            if expiration is None and isinstance(body, tuple) and len(body) == 3
+            else None
+        )
+
+    def _augment(self, message: dict[str, Any], routing_key: str) -> None:
+        """``basic_publish`` and ``_put``: the encoded body, the tag, the priority's list."""
+        from kombu.utils.json import dumps as wire_json
+
+        channel = self.channel
+        message["body"], body_encoding = channel.encode_body(
+            message["body"], channel.body_encoding
+        )
+        props = message["properties"]
+        props.update(body_encoding=body_encoding, delivery_tag=channel._next_delivery_tag())
+        props["delivery_info"].update(exchange="", routing_key=routing_key)
+        priority = channel._get_message_priority(message, reverse=False)
+        key = channel._q_for_pri(routing_key, priority)
+        self.lists.setdefault(key, []).append(wire_json(message))
+        self._key = key
+
+    # --- Copies ---------------------------------------------------------------------------
+
+    @staticmethod
+    def kind(
+        destination: str, options: Mapping[str, Any], headers: Mapping[str, Any]
+    ) -> tuple[Any, ...]:
+        """What two messages must share to be copies of one template."""
+        given = json.dumps(options, sort_keys=True, default=repr) if options else ""
+        return destination, given, tuple(headers)
+
+    def remember(self, kind: tuple[Any, ...]) -> None:
+        """Keep the message just published as the template of its ``kind`` (unless it had an
+        expiry, a moment computed per message)."""
+        last, self._last = self._last, None
+        if self.templates_on and last is not None:
+            last.key = self._key
+            self.templates[kind] = last
+
+    def copy(
+        self,
+        kind: tuple[Any, ...],
+        task_id: str,
+        args: list[Any],
+        kwargs: dict[str, Any],
+        argsrepr: Callable[[], str],
+        kwargsrepr: Callable[[], str],
+        headers: Mapping[str, Any],
+    ) -> bool:
+        """Write a copy of ``kind``'s template for this task; False when there is none yet.
+
+        The headers are the template's with what ``as_task_v2`` derives from the task id and
+        the arguments replaced, then the message's own, as ``send_task_message`` adds them.
+        """
+        template = self.templates.get(kind)
+        if template is None:
+            return False
+        from kombu.serialization import dumps as serialize
+        from kombu.utils.json import dumps as wire_json
+
+        source = template.message
+        message_headers = dict(source["headers"])
+        message_headers.update(
+            id=task_id, root_id=task_id, argsrepr=argsrepr(), kwargsrepr=kwargsrepr()
+        )
+        message_headers.update(headers)
+        channel = self.channel
+        _, _, data = serialize((args, kwargs, template.embed), serializer=template.serializer)
+        body, _ = channel.encode_body(data, source["properties"]["body_encoding"])
+        props = dict(source["properties"])
+        props["correlation_id"] = task_id
+        props["delivery_info"] = dict(props["delivery_info"])
+        props["delivery_tag"] = channel._next_delivery_tag()
+        message = {
+            "body": body,
+            "content-encoding": source["content-encoding"],
+            "content-type": source["content-type"],
+            "headers": message_headers,
+            "properties": props,
+        }
+        self.lists.setdefault(template.key, []).append(wire_json(message))
+        return True
+
+    # --- Writing --------------------------------------------------------------------------
+
+    def execute(self, client: Any) -> None:
+        """Write the batch: one pipeline, one ``LPUSH`` per list. Raises if Redis refuses."""
+        if not self.lists:
+            return
+        with client.pipeline(transaction=False) as pipeline:
+            for key, values in self.lists.items():
+                pipeline.lpush(key, *values)
+            pipeline.execute()

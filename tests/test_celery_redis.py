@@ -1,0 +1,290 @@
+"""The Celery transport's own Redis pipeline writes what kombu writes, message by message.
+
+``CeleryTransport`` on Redis writes a batch in a pipeline of its own
+(:mod:`django_idempotency.outbox.celery_redis`): the first message of a kind built by Celery
+and a stand-in for kombu's ``Producer.publish``, the others copies of it. Each test sends the
+same messages both ways (``fast_redis=False`` is kombu's ``Producer.batch``) and compares the
+raw entries of every Redis list they landed in; only the delivery tag (a fresh uuid per
+message) and an ``expires`` moment (computed at each publish) may differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import signals
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kombu import Queue
+
+from django_idempotency.outbox import celery_redis
+from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
+from tests.conftest import require_service
+from tests.services import BROKER_URLS
+from tests.transport_helpers import celery_app, message
+from tests.workers import delete_queue, new_queue_name
+
+pytestmark = pytest.mark.broker
+
+URL = BROKER_URLS["redis"]
+
+
+@pytest.fixture(scope="module")
+def redis_client() -> Any:
+    require_service("redis")
+    import redis
+
+    client = redis.Redis.from_url(URL)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def queue() -> Iterator[str]:
+    require_service("redis")
+    name = new_queue_name("celery-redis")
+    yield name
+    delete_queue(URL, name)
+
+
+def written(client: Any, queue: str) -> dict[bytes, list[dict[str, Any]]]:
+    """Every entry of every list of ``queue`` (its priority lists too), oldest first, taken
+    off Redis; the delivery tag and the expiry moment set aside."""
+    lists: dict[bytes, list[dict[str, Any]]] = {}
+    for key in sorted(client.scan_iter(match=f"{queue}*")):
+        if client.type(key) != b"list":
+            continue
+        entries = [json.loads(raw) for raw in reversed(client.lrange(key, 0, -1))]
+        client.delete(key)
+        for entry in entries:
+            assert entry["properties"].pop("delivery_tag")
+            if entry["headers"].get("expires") is not None:
+                entry["headers"]["expires"] = "<a moment>"
+                assert entry["properties"].pop("expiration")
+        lists[key] = entries
+    return lists
+
+
+def both_ways(
+    client: Any, app: Any, queue: str, messages: list[OutboxMessage]
+) -> tuple[dict[bytes, list[dict[str, Any]]], dict[bytes, list[dict[str, Any]]], int]:
+    """``(kombu's lists, ours, copies made)`` for the same messages, sent one way then the
+    other."""
+    kombu = CeleryTransport(app=app, fast_redis=False)
+    try:
+        assert kombu.send(messages) == [None] * len(messages)
+    finally:
+        kombu.close()
+    by_kombu = written(client, queue)
+    copies = 0
+    real_copy = celery_redis.RedisBatch.copy
+
+    def counted(self: celery_redis.RedisBatch, *args: Any, **kwargs: Any) -> bool:
+        nonlocal copies
+        made = real_copy(self, *args, **kwargs)
+        copies += made
+        return made
+
+    ours = CeleryTransport(app=app)
+    celery_redis.RedisBatch.copy = counted  # type: ignore[method-assign]
+    try:
+        assert ours.send(messages) == [None] * len(messages)
+    finally:
+        celery_redis.RedisBatch.copy = real_copy  # type: ignore[method-assign]
+        ours.close()
+    return by_kombu, written(client, queue), copies
+
+
+# --- Generated messages ------------------------------------------------------------------------
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**63)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+header_names = st.sampled_from(["tenant", "traceparent", "id", "argsrepr", "origin", "x-a"])
+
+
+@st.composite
+def batches(draw: st.DrawFn, queue: str) -> list[OutboxMessage]:
+    count = draw(st.integers(min_value=1, max_value=6))
+    # A few kinds per batch, so that most messages are copies of an earlier one.
+    kinds = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "priority": st.integers(min_value=0, max_value=9),
+                    "routing_key": st.just(queue),
+                    "expires": st.sampled_from([600, 3600.5]),
+                },
+            ),
+            min_size=1,
+            max_size=3,
+        )
+    )
+    header_sets = draw(st.lists(st.lists(header_names, unique=True, max_size=3), min_size=1))
+    messages = []
+    for n in range(count):
+        options = draw(st.sampled_from(kinds))
+        names = draw(st.sampled_from(header_sets))
+        outgoing = message(queue, n, key=draw(st.sampled_from([None, "a", "b"])), **options)
+        payload = {
+            "args": draw(st.lists(json_values, max_size=3)),
+            "kwargs": draw(st.dictionaries(st.text(max_size=8), json_values, max_size=3)),
+            "options": {"queue": queue, **options},
+        }
+        headers = {name: draw(st.text(max_size=12)) for name in names}
+        destination = draw(st.sampled_from(["shop.effect", "celery_redis.own_options"]))
+        messages.append(
+            dataclasses.replace(
+                outgoing, destination=destination, payload=payload, headers=headers
+            )
+        )
+    return messages
+
+
+def generated_app(queue: str) -> Any:
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    app.conf.task_routes = {"celery_redis.own_options": {"priority": 2}}  # a map: by name
+
+    @app.task(name="celery_redis.own_options", time_limit=30, shared=False)
+    def own_options(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - never run
+        pass
+
+    app.finalize()
+    return app
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_generated_batches_land_as_kombu_writes_them(
+    redis_client: Any, data: st.DataObject
+) -> None:
+    queue = new_queue_name("celery-redis-gen")
+    try:
+        app = generated_app(queue)
+        messages = data.draw(batches(queue))
+        by_kombu, ours, _ = both_ways(redis_client, app, queue, messages)
+        assert ours == by_kombu
+        assert sum(len(entries) for entries in ours.values()) == len(messages)
+    finally:
+        delete_queue(URL, queue)
+
+
+# --- Copies, and what they leave to Celery -----------------------------------------------------
+
+
+def test_a_batch_of_one_kind_is_one_message_built_and_copies(
+    redis_client: Any, queue: str
+) -> None:
+    app = celery_app(URL)
+    messages = [message(queue, n, key=f"k{n % 3}", priority=4) for n in range(20)]
+
+    by_kombu, ours, copies = both_ways(redis_client, app, queue, messages)
+
+    assert ours == by_kombu
+    assert copies == 19
+    (entries,) = ours.values()  # one list: the priority's
+    assert [entry["headers"]["id"] for entry in entries] == [m.event_id for m in messages]
+
+
+def test_messages_with_an_expiry_are_each_built_by_celery(redis_client: Any, queue: str) -> None:
+    app = celery_app(URL)
+    messages = [message(queue, n, expires=600) for n in range(5)]
+
+    by_kombu, ours, copies = both_ways(redis_client, app, queue, messages)
+
+    assert ours == by_kombu
+    assert copies == 0
+
+
+def test_a_publish_signal_receiver_sees_every_message(redis_client: Any, queue: str) -> None:
+    app = celery_app(URL)
+    seen: list[str] = []
+
+    def stamp(sender: Any = None, headers: Any = None, **kwargs: Any) -> None:
+        seen.append(headers["id"])
+        headers["stamped"] = "yes"
+
+    signals.before_task_publish.connect(stamp, weak=False)
+    try:
+        messages = [message(queue, n) for n in range(4)]
+        by_kombu, ours, copies = both_ways(redis_client, app, queue, messages)
+    finally:
+        signals.before_task_publish.disconnect(stamp)
+
+    assert copies == 0
+    assert ours == by_kombu
+    assert [entry["headers"]["stamped"] for entry in ours[queue.encode()]] == ["yes"] * 4
+    assert len(seen) == 8  # each message, each way
+
+
+def test_a_router_function_routes_every_message(redis_client: Any, queue: str) -> None:
+    app = celery_app(URL)
+    odd = f"{queue}-odd"
+
+    def by_argument(name: str, args: Any, kwargs: Any, options: Any, **_: Any) -> Any:
+        return {"queue": odd} if kwargs.get("n", 0) % 2 else None
+
+    app.conf.task_routes = (by_argument,)
+    messages = [
+        dataclasses.replace(message(queue, n), payload={"args": [], "kwargs": {"n": n}})
+        for n in range(4)
+    ]
+    app.conf.task_default_queue = queue
+    try:
+        by_kombu, ours, copies = both_ways(redis_client, app, queue, messages)
+    finally:
+        delete_queue(URL, odd)
+
+    assert copies == 0
+    assert ours == by_kombu
+    assert {key.decode() for key in ours} == {queue, odd}
+
+
+@pytest.mark.parametrize("case", ["exchange", "x-expires"])
+def test_what_it_does_not_cover_goes_through_kombu(
+    redis_client: Any, queue: str, case: str
+) -> None:
+    app = celery_app(URL)
+    if case == "exchange":
+        from kombu import Exchange
+
+        exchange = Exchange(f"{queue}-ex", type="direct")
+        app.conf.task_queues = [Queue(queue, exchange, routing_key=queue)]
+        options: dict[str, Any] = {"exchange": exchange.name, "routing_key": queue}
+    else:
+        app.conf.task_queues = [Queue(queue, routing_key=queue, expires=60)]
+        options = {}
+    messages = [message(queue, n, **options) for n in range(3)]
+    written_by_us: list[str] = []
+    real = celery_redis.RedisBatch.execute
+
+    def recorded(self: celery_redis.RedisBatch, client: Any) -> None:
+        written_by_us.extend(self.lists)
+        real(self, client)
+
+    celery_redis.RedisBatch.execute = recorded  # type: ignore[method-assign]
+    try:
+        by_kombu, ours, _ = both_ways(redis_client, app, queue, messages)
+    finally:
+        celery_redis.RedisBatch.execute = real  # type: ignore[method-assign]
+
+    assert written_by_us == []  # nothing of the batch was written by the pipeline of our own
+    assert ours == by_kombu
+    assert sum(len(entries) for entries in ours.values()) == 3
