@@ -31,7 +31,7 @@ LAYERS: dict[str, list[set[str]]] = {
         {"store"},
     ],
     "events": [{"consumers", "celery", "django_tasks"}, {"core"}, {"ids"}, {"store"}],
-    "outbox": [{"relay"}, {"core"}, {"transports", "capture"}, {"saferepr", "store"}],
+    "outbox": [{"relay"}, {"core"}, {"transports", "capture"}, {"celery_redis", "saferepr", "store"}],
     "kafka": [{"runner", "transport"}, {"watchdog", "settings"}],
     "flows": [{"completer", "sagas"}, {"phases"}],
     "retention": [{"purge"}, {"partitioning"}, {"reports"}],
