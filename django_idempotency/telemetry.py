@@ -416,7 +416,7 @@ def outbox_sends(
 ) -> None:
     """Count a relay batch's sends by transport and outcome: sent, failed, parked.
 
-    ``rows`` are the claimed :class:`~django_idempotency.models.OutboxEntry` rows and
+    ``rows`` are the rows the relay claimed (:class:`~django_idempotency.outbox.store.Claimed`) and
     ``outcomes`` what the transports answered for each (None: sent). A failure on a row that
     has used its last attempt is counted as ``parked``.
     """

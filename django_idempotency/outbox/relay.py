@@ -67,7 +67,6 @@ from django.utils import timezone
 from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import error_text, log_text
-from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import store
 from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
 
@@ -189,7 +188,7 @@ class Relay:
             return True
         return bool(result.sent) and not listening
 
-    def _claim(self, result: BatchResult | None = None) -> list[OutboxEntry]:
+    def _claim(self, result: BatchResult | None = None) -> list[store.Claimed]:
         connection = connections[self.using]
         now = timezone.now()
         self._left_behind = False
@@ -209,8 +208,8 @@ class Relay:
         return chosen
 
     def _park_lost(
-        self, candidates: list[OutboxEntry], result: BatchResult | None
-    ) -> list[OutboxEntry]:
+        self, candidates: list[store.Claimed], result: BatchResult | None
+    ) -> list[store.Claimed]:
         """Park the candidates whose every attempt ended in a lost lease; returns the others.
 
         A row whose lease ran out (``locked_until`` set and past: every recorded outcome clears
@@ -220,7 +219,7 @@ class Relay:
         so a message that kills the relay was sent for ever. Here it is parked once its
         attempts are used up, as a recorded failure would be.
         """
-        kept: list[OutboxEntry] = []
+        kept: list[store.Claimed] = []
         for row in candidates:
             if row.locked_until is None or row.attempts < self.max_attempts:
                 kept.append(row)
@@ -244,7 +243,7 @@ class Relay:
             )
         return kept
 
-    def _choose(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
+    def _choose(self, candidates: list[store.Claimed]) -> list[store.Claimed]:
         """The batch: a suspect alone, or rows that never lost a lease.
 
         A suspect is a row whose last lease ran out without an outcome: it may be the message
@@ -253,7 +252,7 @@ class Relay:
         batch in which it first killed the relay), and it holds back only its own key.
         """
         allowed = self._in_order(candidates)
-        batch: list[OutboxEntry] = []
+        batch: list[store.Claimed] = []
         held: set[str] = set()  # keys with a suspect that waits for a batch of its own
         seen: set[str] = set()
         for row in allowed:
@@ -270,7 +269,7 @@ class Relay:
         self._left_behind = len(batch) < len(allowed)
         return batch
 
-    def _in_order(self, candidates: list[OutboxEntry]) -> list[OutboxEntry]:
+    def _in_order(self, candidates: list[store.Claimed]) -> list[store.Claimed]:
         """The candidates that may go now without overtaking an unsent message of their key."""
         by_id = {row.pk: row for row in candidates}
         keys = {row.ordering_key for row in candidates if row.ordering_key is not None}
@@ -289,7 +288,7 @@ class Relay:
                     allowed.add(pk)
         return [row for row in candidates if row.ordering_key is None or row.pk in allowed]
 
-    def _send(self, rows: list[OutboxEntry]) -> list[BaseException | None]:
+    def _send(self, rows: list[store.Claimed]) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(rows)
         groups: dict[str, list[int]] = {}
         for index, row in enumerate(rows):
@@ -338,14 +337,14 @@ class Relay:
 
     def _record(
         self,
-        rows: list[OutboxEntry],
+        rows: list[store.Claimed],
         outcomes: Sequence[BaseException | None],
         result: BatchResult,
     ) -> None:
         now = timezone.now()
         sent: list[int] = []
         released: list[int] = []
-        failures: list[tuple[OutboxEntry, BaseException]] = []
+        failures: list[tuple[store.Claimed, BaseException]] = []
         failed_keys: set[str] = set()
         for row, outcome in zip(rows, outcomes, strict=True):
             if row.ordering_key is not None and row.ordering_key in failed_keys:

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from django_idempotency.models import OutboxEntry
+    from django_idempotency.outbox.store import Claimed
 
 __all__ = [
     "CeleryTransport",
@@ -102,8 +103,9 @@ class OutboxMessage:
     """Attempts so far, this one included."""
 
     @classmethod
-    def from_entry(cls, row: OutboxEntry) -> OutboxMessage:
-        """The message of an :class:`~django_idempotency.models.OutboxEntry` row."""
+    def from_entry(cls, row: OutboxEntry | Claimed) -> OutboxMessage:
+        """The message of an :class:`~django_idempotency.models.OutboxEntry` row, or of a row
+        the relay claimed."""
         return cls(
             id=row.pk,
             event_id=row.event_id,
