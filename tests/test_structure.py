@@ -31,7 +31,12 @@ LAYERS: dict[str, list[set[str]]] = {
         {"store"},
     ],
     "events": [{"consumers", "celery", "django_tasks"}, {"core"}, {"ids"}, {"store"}],
-    "outbox": [{"relay"}, {"core"}, {"transports", "capture"}, {"celery_redis", "saferepr", "store"}],
+    "outbox": [
+        {"relay"},
+        {"core"},
+        {"transports", "capture"},
+        {"celery_redis", "celery_copies", "saferepr", "store"},
+    ],
     "kafka": [{"runner", "transport"}, {"watchdog", "settings"}],
     "flows": [{"completer", "sagas"}, {"phases"}],
     "retention": [{"purge"}, {"partitioning"}, {"reports"}],

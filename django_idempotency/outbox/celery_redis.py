@@ -12,12 +12,10 @@ byte for byte what kombu would write, but for its ``delivery_tag`` (a fresh uuid
   the body, ``prepare_message``, encode the body, the delivery tag and the priority's list, and
   queues the ``LPUSH`` here. A batch's messages go in one pipeline at the end, one ``LPUSH`` per
   list (Redis pushes a command's values in order, so a list's order is the call's).
-* Templates: the first message of a batch for a task and options (and header names) is built by
-  Celery as above; the others with the same are copies of it, with their own task id, arguments
-  and headers. Only where nothing else in a message can differ: a router made only of
-  ``task_routes`` maps (which route by name), no ``expires`` (a moment computed per message),
-  no receivers on Celery's publish signals, no task-sent events (``CeleryTransport`` checks
-  the last two per batch).
+* Copies: the first message of a batch for a task and options (and header names) is built by
+  Celery as above; the others with the same are copies of the written message, with their own
+  task id, arguments and headers, under the rules of
+  :mod:`~django_idempotency.outbox.celery_copies` (which ``CeleryTransport`` checks per batch).
 
 Anything this does not cover (another exchange, a queue with ``x-expires``, compression, a
 protocol other than 2) raises :class:`NotCovered` before anything of the batch is written, and
@@ -29,9 +27,10 @@ write, message by message, on generated messages, on every kombu version the pro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from django_idempotency.outbox.celery_copies import copied_headers
 
 # kombu is imported where it is used: this module is imported with the transports, which a
 # project without Celery (Kafka only) imports too.
@@ -52,13 +51,6 @@ def covered(app: Any, channel: Any) -> bool:
         and int(app.conf.task_protocol) == 2
         and not app.conf.task_compression
     )
-
-
-def static_routes(app: Any) -> bool:
-    """Whether the app's router sends a task by its name alone (``task_routes`` maps only)."""
-    from celery.app.routes import MapRoute
-
-    return all(isinstance(route, MapRoute) for route in app.amqp.router.routes)
 
 
 class _Template:
@@ -159,14 +151,6 @@ class RedisBatch:
 
     # --- Copies ---------------------------------------------------------------------------
 
-    @staticmethod
-    def kind(
-        destination: str, options: Mapping[str, Any], headers: Mapping[str, Any]
-    ) -> tuple[Any, ...]:
-        """What two messages must share to be copies of one template."""
-        given = json.dumps(options, sort_keys=True, default=repr) if options else ""
-        return destination, given, tuple(headers)
-
     def remember(self, kind: tuple[Any, ...]) -> None:
         """Keep the message just published as the template of its ``kind`` (unless it had an
         expiry, a moment computed per message)."""
@@ -185,11 +169,7 @@ class RedisBatch:
         kwargsrepr: Callable[[], str],
         headers: Mapping[str, Any],
     ) -> bool:
-        """Write a copy of ``kind``'s template for this task; False when there is none yet.
-
-        The headers are the template's with what ``as_task_v2`` derives from the task id and
-        the arguments replaced, then the message's own, as ``send_task_message`` adds them.
-        """
+        """Write a copy of ``kind``'s template for this task; False when there is none yet."""
         template = self.templates.get(kind)
         if template is None:
             return False
@@ -197,13 +177,11 @@ class RedisBatch:
         from kombu.utils.json import dumps as wire_json
 
         source = template.message
-        message_headers = dict(source["headers"])
-        message_headers.update(
-            id=task_id, root_id=task_id, argsrepr=argsrepr(), kwargsrepr=kwargsrepr()
-        )
-        message_headers.update(headers)
+        message_headers = copied_headers(source["headers"], task_id, argsrepr, kwargsrepr, headers)
         channel = self.channel
-        _, _, data = serialize((args, kwargs, template.embed), serializer=template.serializer)
+        # As as_task_v2 writes the body: empty arguments as () and {} (a serializer may tell).
+        body_value = (args or (), kwargs or {}, template.embed)
+        _, _, data = serialize(body_value, serializer=template.serializer)
         body, _ = channel.encode_body(data, source["properties"]["body_encoding"])
         props = dict(source["properties"])
         props["correlation_id"] = task_id

@@ -59,7 +59,7 @@ from django_idempotency import telemetry
 from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
-from django_idempotency.outbox import celery_redis
+from django_idempotency.outbox import celery_copies, celery_redis
 from django_idempotency.outbox.saferepr import task_repr
 
 if TYPE_CHECKING:
@@ -440,18 +440,8 @@ class CeleryTransport:
         channel = producer.channel
         if producer.exchange.name or not celery_redis.covered(app, channel):
             return False
-        from celery import signals
-
         settings = _AppSettings.read(app)
-        quiet = not any(
-            signal.receivers
-            for signal in (
-                signals.before_task_publish,
-                signals.after_task_publish,
-                signals.task_sent,
-            )
-        )
-        templates = quiet and not settings.sent_event and celery_redis.static_routes(app)
+        templates = celery_copies.copiable(app, settings.sent_event)
         batch = celery_redis.RedisBatch(channel, producer.exchange.delivery_mode, templates)
         try:
             self._publish_all(batch, call, range(len(call.messages)), redis=batch)
@@ -524,28 +514,36 @@ class CeleryTransport:
         declared: set[str] = set()
         app = self.app
         settings = _AppSettings.read(app)
+        if call.copies is None:  # once per call: a call's rounds share their templates
+            call.copies = celery_copies.Copies(
+                redis is None and celery_copies.copiable(app, settings.sent_event)
+            )
+        copies = call.copies
         for index in indexes:
             if call.held_back(index):
                 continue
             before = confirms.last_tag if confirms is not None else 0
+            queue_name = None
             try:
                 message = call.messages[index]
                 with telemetry.sending(message.headers, {"messaging.system": "celery"}):
-                    kind: tuple[Any, ...] = ()
-                    if redis is not None:
-                        kind, copied = self._redis_copy(redis, settings, message)
-                        if copied:
-                            continue
-                    name, task_message, options = self._task_message(app, settings, message)
-                    queue = options.get("queue")
-                    queue_name = getattr(queue, "name", queue)
-                    if queue_name is not None and queue_name in declared:
-                        options["declare"] = []  # declared once per call, not once per message
-                    app.amqp.send_task_message(
-                        producer, name, task_message, retry=False, **options
-                    )
-                    if redis is not None:
-                        redis.remember(kind)
+                    kind, copied = self._copy(redis, copies, producer, settings, message)
+                    if copied and redis is not None:
+                        continue  # written into the batch: no delivery tag to follow
+                    if not copied:
+                        name, task_message, options = self._task_message(app, settings, message)
+                        queue = options.get("queue")
+                        queue_name = getattr(queue, "name", queue)
+                        if queue_name is not None and queue_name in declared:
+                            options["declare"] = []  # declared once per call, not per message
+                        recorder = celery_copies.Recorder(producer) if copies.on else None
+                        app.amqp.send_task_message(
+                            recorder or producer, name, task_message, retry=False, **options
+                        )
+                        if redis is not None:
+                            redis.remember(kind)
+                        elif recorder is not None:
+                            copies.remember(kind, recorder)
             except celery_redis.NotCovered:
                 raise
             except Exception as exc:
@@ -566,22 +564,37 @@ class CeleryTransport:
                     confirms.ignore(published[1:])
         return tags
 
-    def _redis_copy(
-        self, batch: celery_redis.RedisBatch, settings: _AppSettings, message: OutboxMessage
+    def _copy(
+        self,
+        redis: celery_redis.RedisBatch | None,
+        copies: celery_copies.Copies,
+        producer: Any,
+        settings: _AppSettings,
+        message: OutboxMessage,
     ) -> tuple[tuple[Any, ...], bool]:
-        """``(kind, copied)``: the message written as a copy of its kind's template, if the
-        batch has one (``kind`` is what :meth:`RedisBatch.remember` needs otherwise)."""
+        """``(kind, copied)``: the message published (or, with ``redis``, written into the
+        batch) as a copy of the first of its kind in this call, if there is one
+        (:mod:`.celery_copies`); ``kind`` is what remembering it as that first one needs."""
+        if redis is None and not copies.on:
+            return (), False
         args, kwargs, given = _envelope_parts(message.destination, message.payload)
         headers = {**message.headers, EVENT_ID_KEY: message.event_id}
-        kind = batch.kind(message.destination, given, headers)
-        copied = batch.copy(
-            kind,
-            message.event_id,
-            args,
-            kwargs,
-            lambda: task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
-            lambda: task_repr(kwargs or {}, settings.kwargsrepr_size, settings.repr_levels),
-            headers,
+        kind = celery_copies.kind(message.destination, given, headers)
+        copy = (
+            redis.copy
+            if redis is not None
+            else functools.partial(copies.publish, producer=producer)
+        )
+        copied = copy(
+            kind=kind,
+            task_id=message.event_id,
+            args=args,
+            kwargs=kwargs,
+            argsrepr=lambda: task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
+            kwargsrepr=lambda: task_repr(
+                kwargs or {}, settings.kwargsrepr_size, settings.repr_levels
+            ),
+            headers=headers,
         )
         return kind, copied
 
@@ -739,6 +752,8 @@ class _Call:
         self.results: list[BaseException | None] = [None] * len(messages)
         self.failed: dict[str, BaseException] = {}
         self.confirmed: set[int] = set()
+        self.copies: celery_copies.Copies | None = None
+        """The call's templates (:mod:`.celery_copies`), made by its first publish."""
 
     def fail(self, index: int, error: BaseException | None) -> None:
         if error is None:
