@@ -225,6 +225,40 @@ def test_a_parked_event_in_a_batch_is_dead_lettered_after_the_fallback(
     assert dict(dead.headers() or [])["dlq.error"] == b"RuntimeError: killed it"
 
 
+@REGRESSION
+def test_a_batch_whose_event_id_cannot_be_read_says_so_and_goes_one_at_a_time(
+    kafka_cluster: Cluster, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a message without an event id in a batch made the runner log "batch of N
+    messages rolled back" although no transaction had been opened (the ids are read before
+    it). The log says now that the batch could not be started, which message's id could not
+    be read and why; its messages still go one at a time, the id-less one dead-lettered."""
+    # BATCH_SIZE=3: four messages alone (three, and one more to settle), then batches.
+    values = [event() for _ in range(5)] + [json.dumps({"note": "no id"}).encode(), event()]
+    produce(kafka_cluster, topic, values)
+    settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
+    runner = RecordingRunner(settings, recording_handler([]))
+    with caplog.at_level(logging.INFO, "django_idempotency"):
+        runner.run(max_messages=len(values))
+
+    assert runner.counts == {Outcome.APPLIED: 6, Outcome.DEAD_LETTERED: 1}
+    assert runner.fallbacks >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not [line for line in warnings if "rolled back" in line], warnings
+    [(partition, offset)] = committed(kafka_cluster, settings).items()
+    assert offset == len(values)
+    [line] = [line for line in warnings if "could not start" in line]
+    assert line.startswith("could not start a batch of ") and " messages: " in line, line
+    assert f"the event id of {topic}[{partition}]@5 could not be read" in line, line
+    assert "MissingEventId" in line and "no event id (json:event_id)" in line, line
+    assert "no transaction was opened" in line and "one at a time" in line, line
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert json.loads(dead.value() or b"") == {"note": "no id"}
+    assert dict(dead.headers() or [])["dlq.error"].startswith(b"MissingEventId: ")
+    healthy = [json.loads(v)["event_id"] for v in values if b"event_id" in v]
+    assert Counter(effect_ids()) == Counter(healthy)
+
+
 class Died(BaseException):
     """The consumer's death (SIGKILL, out of memory), in process: no handler catches it."""
 
