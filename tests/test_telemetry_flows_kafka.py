@@ -202,7 +202,8 @@ def test_a_message_applied_after_its_batch_rolled_back_counts_once(
     before its COMMIT; when a later message of the batch failed and the batch rolled back,
     the same messages were counted again one at a time, so ``idempotency.consumer.deliveries``
     counted each message before the poison twice. Each message counts once now: the deliveries
-    of a batch are counted when its transaction commits."""
+    of a batch are counted when its transaction commits. And ``idempotency.kafka.messages``
+    counts a committed batch's messages too, as the runner's own tally does."""
     from django_idempotency.kafka.runner import ConsumerRunner, Outcome
     from django_idempotency.models import ProcessedEvent
     from tests.test_kafka_runner_fast import (
@@ -246,3 +247,13 @@ def test_a_message_applied_after_its_batch_rolled_back_counts_once(
         for attributes, value in only(changes, telemetry.CONSUMER_DELIVERIES).items()
     }
     assert deliveries == {"applied": 10, "duplicate": 1, "failed": 1, "parked": 1}
+    # Regression: the messages of a batch that committed were not counted at all in
+    # idempotency.kafka.messages (only those handled one at a time were). A batch did commit:
+    # its reservations share one processed_at.
+    stamps = ProcessedEvent.objects.filter(consumer=settings.name).values_list("processed_at")
+    assert len(set(stamps)) < len(stamps)
+    messages = {
+        dict(attributes)["idempotency.outcome"]: value
+        for attributes, value in only(changes, telemetry.KAFKA_MESSAGES).items()
+    }
+    assert messages == {outcome.value: count for outcome, count in runner.counts.items()}

@@ -432,6 +432,12 @@ class ConsumerRunner:
         for index, failure in hooks_failed:
             self._commit_hook_failed(messages[index], ids[index], failure)
         self.counts.update(outcomes)
+        for outcome, amount in Counter(outcomes).items():
+            telemetry.count(
+                telemetry.KAFKA_MESSAGES,
+                {"idempotency.consumer": settings.name, "idempotency.outcome": outcome.value},
+                amount,
+            )
         topic, partition, offset = _position(messages[-1])
         self._done[topic, partition] = offset + 1
         self._commit_if_due()
