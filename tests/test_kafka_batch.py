@@ -18,7 +18,7 @@ pytest.importorskip("confluent_kafka")
 
 from confluent_kafka import Message
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome
@@ -27,6 +27,7 @@ from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 from tests import test_kafka_runner as one_at_a_time
+from tests.kafka_batch_helpers import RecordingRunner, topic_fixture
 from tests.kafka_cluster import Cluster
 from tests.test_kafka_runner import consumers  # noqa: F401 - the fixture of the slow proofs
 from tests.test_kafka_runner_fast import (
@@ -43,9 +44,7 @@ from tests.test_kafka_runner_fast import (
 pytestmark = [pytest.mark.timeout(240), pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def topic(kafka_cluster: Cluster) -> str:
-    return kafka_cluster.new_topic("batch")
+topic = topic_fixture("batch")
 
 
 def test_a_batch_is_one_transaction_with_one_offset_commit(
@@ -105,32 +104,6 @@ def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
     [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
     assert json.loads(dead.value() or b"")["event_id"] == ids[3]
     assert sum(committed(kafka_cluster, settings).values()) == 7
-
-
-class RecordingRunner(ConsumerRunner):
-    """Records the SQL each batch runs (the one-at-a-time messages are not recorded)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.batches: list[list[str]] = []
-        self.fallbacks = 0
-
-    def _apply_batch(self, messages: list[Message]) -> int:
-        statements: list[str] = []
-        self.batches.append(statements)
-
-        def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-            if sql != "BEGIN":  # SQLite's, sent as a statement (psycopg and mysqlclient's not)
-                statements.append(sql)
-            return execute(sql, params, many, context)
-
-        with connection.execute_wrapper(record):
-            return super()._apply_batch(messages)
-
-    def handle(self, message: Message) -> Outcome:
-        if self.batches:
-            self.fallbacks += 1
-        return super().handle(message)
 
 
 def test_a_batch_reserves_its_messages_together_without_a_savepoint_each(
