@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar, cast
 
@@ -49,9 +50,11 @@ __all__ = [
     "configure",
     "consuming",
     "count",
+    "deliveries",
     "delivery",
     "enabled",
     "flow_run",
+    "held_deliveries",
     "http_outcome",
     "inject",
     "observe",
@@ -390,11 +393,42 @@ def http_outcome(outcome: str, level: int = logging.INFO) -> None:
             current.set_attribute("idempotency.outcome", category)
 
 
+_HELD: ContextVar[list[tuple[str, str]] | None] = ContextVar(
+    "django_idempotency_held_deliveries", default=None
+)
+"""The deliveries :func:`held_deliveries` holds in this context, or None: none is held."""
+
+
+@contextmanager
+def held_deliveries() -> Iterator[list[tuple[str, str]]]:
+    """Hold the :func:`delivery` counts made in the block: they go to the list it yields,
+    as (consumer, outcome), and are not recorded until the caller passes them to
+    :func:`deliveries`. A batch of first deliveries holds them until its caller's transaction
+    commits: a batch that rolls back counts nothing, and its messages count once, when they
+    are delivered again one at a time."""
+    held: list[tuple[str, str]] = []
+    token = _HELD.set(held)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
+
+
+def deliveries(held: Sequence[tuple[str, str]]) -> None:
+    """Count the deliveries :func:`held_deliveries` held."""
+    for consumer, outcome in held:
+        delivery(consumer, outcome)
+
+
 @_quiet
 def delivery(consumer: str, outcome: str) -> None:
     """Count one delivery to ``consumer``: applied, duplicate, failed or parked."""
     api = _api()
     if api is None:
+        return
+    held = _HELD.get()
+    if held is not None:
+        held.append((consumer, outcome))
         return
     attributes = {"idempotency.consumer": consumer, "idempotency.outcome": outcome}
     if api.metering():

@@ -18,7 +18,7 @@ pytest.importorskip("confluent_kafka")
 
 from confluent_kafka import Message
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome
@@ -27,6 +27,7 @@ from django_idempotency.kafka.watchdog import HANG_EXIT_STATUS
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 from tests import test_kafka_runner as one_at_a_time
+from tests.kafka_batch_helpers import RecordingRunner, topic_fixture
 from tests.kafka_cluster import Cluster
 from tests.test_kafka_runner import consumers  # noqa: F401 - the fixture of the slow proofs
 from tests.test_kafka_runner_fast import (
@@ -43,9 +44,7 @@ from tests.test_kafka_runner_fast import (
 pytestmark = [pytest.mark.timeout(240), pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def topic(kafka_cluster: Cluster) -> str:
-    return kafka_cluster.new_topic("batch")
+topic = topic_fixture("batch")
 
 
 def test_a_batch_is_one_transaction_with_one_offset_commit(
@@ -105,32 +104,6 @@ def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
     [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
     assert json.loads(dead.value() or b"")["event_id"] == ids[3]
     assert sum(committed(kafka_cluster, settings).values()) == 7
-
-
-class RecordingRunner(ConsumerRunner):
-    """Records the SQL each batch runs (the one-at-a-time messages are not recorded)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.batches: list[list[str]] = []
-        self.fallbacks = 0
-
-    def _apply_batch(self, messages: list[Message]) -> int:
-        statements: list[str] = []
-        self.batches.append(statements)
-
-        def record(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
-            if sql != "BEGIN":  # SQLite's, sent as a statement (psycopg and mysqlclient's not)
-                statements.append(sql)
-            return execute(sql, params, many, context)
-
-        with connection.execute_wrapper(record):
-            return super()._apply_batch(messages)
-
-    def handle(self, message: Message) -> Outcome:
-        if self.batches:
-            self.fallbacks += 1
-        return super().handle(message)
 
 
 def test_a_batch_reserves_its_messages_together_without_a_savepoint_each(
@@ -223,6 +196,40 @@ def test_a_parked_event_in_a_batch_is_dead_lettered_after_the_fallback(
     [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
     assert json.loads(dead.value() or b"")["event_id"] == ids[7]
     assert dict(dead.headers() or [])["dlq.error"] == b"RuntimeError: killed it"
+
+
+@REGRESSION
+def test_a_batch_whose_event_id_cannot_be_read_says_so_and_goes_one_at_a_time(
+    kafka_cluster: Cluster, topic: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: a message without an event id in a batch made the runner log "batch of N
+    messages rolled back" although no transaction had been opened (the ids are read before
+    it). The log says now that the batch could not be started, which message's id could not
+    be read and why; its messages still go one at a time, the id-less one dead-lettered."""
+    # BATCH_SIZE=3: four messages alone (three, and one more to settle), then batches.
+    values = [event() for _ in range(5)] + [json.dumps({"note": "no id"}).encode(), event()]
+    produce(kafka_cluster, topic, values)
+    settings = settings_for(kafka_cluster, topic, batch_size=3, event_id_source="json")
+    runner = RecordingRunner(settings, recording_handler([]))
+    with caplog.at_level(logging.INFO, "django_idempotency"):
+        runner.run(max_messages=len(values))
+
+    assert runner.counts == {Outcome.APPLIED: 6, Outcome.DEAD_LETTERED: 1}
+    assert runner.fallbacks >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert not [line for line in warnings if "rolled back" in line], warnings
+    [(partition, offset)] = committed(kafka_cluster, settings).items()
+    assert offset == len(values)
+    [line] = [line for line in warnings if "could not start" in line]
+    assert line.startswith("could not start a batch of ") and " messages: " in line, line
+    assert f"the event id of {topic}[{partition}]@5 could not be read" in line, line
+    assert "MissingEventId" in line and "no event id (json:event_id)" in line, line
+    assert "no transaction was opened" in line and "one at a time" in line, line
+    [dead] = kafka_cluster.read(f"{topic}.dlq", 1)
+    assert json.loads(dead.value() or b"") == {"note": "no id"}
+    assert dict(dead.headers() or [])["dlq.error"].startswith(b"MissingEventId: ")
+    healthy = [json.loads(v)["event_id"] for v in values if b"event_id" in v]
+    assert Counter(effect_ids()) == Counter(healthy)
 
 
 class Died(BaseException):

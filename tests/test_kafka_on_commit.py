@@ -22,8 +22,8 @@ from django.db import transaction
 from django_idempotency.kafka.runner import ConsumerRunner, Outcome
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
+from tests.kafka_batch_helpers import RecordingRunner, topic_fixture
 from tests.kafka_cluster import Cluster
-from tests.test_kafka_batch import RecordingRunner
 from tests.test_kafka_runner_fast import (
     REGRESSION,
     committed,
@@ -36,9 +36,7 @@ from tests.test_kafka_runner_fast import (
 pytestmark = [pytest.mark.timeout(120), pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def topic(kafka_cluster: Cluster) -> str:
-    return kafka_cluster.new_topic("on-commit")
+topic = topic_fixture("on-commit")
 
 
 class CallbackFailed(RuntimeError):

@@ -195,7 +195,11 @@ def assert_met_in_a_batch(kind: str, value: bytes, offset: int, log: str, probes
     """The first consumer met the poison (at ``offset``) inside a batch of two or more."""
     if kind in NO_ID:
         # No handler runs for it: the batch that held it failed on its id before it began.
-        spans = re.findall(r"batch of (\d+) messages rolled back.*?@(\d+) to \S+@(\d+)", log)
+        spans = re.findall(
+            r"could not start a batch of (\d+) messages: .*?one at a time: consumer \S+, "
+            r"\S+@(\d+) to \S+@(\d+)",
+            log,
+        )
         assert [s for s in spans if int(s[0]) >= 2 and int(s[1]) <= offset <= int(s[2])], log
         return
     runs = (probes / f"{json.loads(value)['event_id']}.runs").read_text().split()

@@ -7,6 +7,7 @@ and nothing else), no metric attribute carries a key, an event id or an owner, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.db import connection, transaction
 from django.test import Client, override_settings
 from django.utils import timezone
@@ -25,7 +27,8 @@ from django.utils import timezone
 pytest.importorskip("opentelemetry.sdk")
 
 from django_idempotency import telemetry
-from django_idempotency.events.core import process_event
+from django_idempotency.events.core import process_event, process_first_deliveries
+from django_idempotency.events.ids import new_event_id
 from django_idempotency.exceptions import EventParked
 from django_idempotency.models import FlowRun, IdempotencyRecord, OutboxEntry
 from django_idempotency.outbox import core as outbox
@@ -197,6 +200,86 @@ def test_consumer_outcomes_each_count_once(otel: Sdk) -> None:
     assert one(counted(otel, deliver)) == deliveries("c.metrics", "failed")
     assert one(counted(otel, deliver)) == deliveries("c.metrics", "parked")  # 2nd > max 1
     assert one(counted(otel, deliver)) == deliveries("c.metrics", "parked")  # refused again
+
+
+def outcomes(changes: dict[Key, float], consumer: str) -> dict[str, float]:
+    """The changed ``idempotency.consumer.deliveries`` points of ``consumer``, by outcome."""
+    found = {}
+    for (name, attributes), value in changes.items():
+        labels = dict(attributes)
+        if name == telemetry.CONSUMER_DELIVERIES and labels["idempotency.consumer"] == consumer:
+            found[labels["idempotency.outcome"]] = value
+    return found
+
+
+def batch(consumer: str, events: list[str], failing: str = "") -> None:
+    """A batch of first deliveries in a transaction of its own, rolled back if ``failing``'s
+    body raises (as the Kafka runner rolls a batch back)."""
+
+    def body(event: str) -> Any:
+        return fail if event == failing else lambda: None
+
+    with transaction.atomic():
+        process_first_deliveries(consumer, [(event, body(event)) for event in events])
+
+
+@pytest.mark.parametrize("layout", ["default", "partitioned"])
+def test_a_rolled_back_batch_counts_no_delivery(
+    otel: Sdk, layout: str, request: pytest.FixtureRequest
+) -> None:
+    """Regression: a batch of first deliveries counted each message it applied, and each
+    duplicate it skipped, before its transaction committed; a batch that then rolled back
+    (a later message failed) had counted them, and the one-at-a-time deliveries that follow
+    counted them again. They are counted once the caller's transaction commits now."""
+    if layout == "partitioned":
+        if connection.vendor != "postgresql":
+            pytest.skip("the partitioned layout is PostgreSQL's")
+        request.getfixturevalue("partitioned_events")
+    consumer = f"c.batch-{layout}"
+    applied, old, poison, after = (str(new_event_id()) for _ in range(4))
+    process_event(consumer, old, lambda: None)
+
+    def rolled_back() -> None:
+        with pytest.raises(Boom):
+            batch(consumer, [applied, old, poison, after], failing=poison)
+
+    assert outcomes(counted(otel, rolled_back), consumer) == {}
+
+    def one_at_a_time() -> None:
+        for event in (applied, old, poison, after):
+            with contextlib.suppress(Boom):
+                process_event(consumer, event, fail if event == poison else lambda: None)
+
+    changes = outcomes(counted(otel, one_at_a_time), consumer)
+    assert changes == {"applied": 2, "duplicate": 1, "failed": 1}
+
+    # A batch that commits is counted once, after its COMMIT.
+    fresh, again = str(new_event_id()), str(new_event_id())
+    before = otel.counter_values()
+    with transaction.atomic():
+        process_first_deliveries(
+            consumer, [(e, lambda: None) for e in (fresh, applied, again, fresh)]
+        )
+        assert outcomes(delta(before, otel.counter_values()), consumer) == {}
+    assert outcomes(delta(before, otel.counter_values()), consumer) == {
+        "applied": 2,
+        "duplicate": 2,
+    }
+
+
+@pytest.fixture
+def partitioned_events() -> Iterator[None]:
+    """The processed events in PostgreSQL's partitioned layout (``EVENT_PARTITIONS``), and
+    the default layout again afterwards."""
+    from django_idempotency.retention import partitioning
+
+    with override_settings(IDEMPOTENCY={**settings.IDEMPOTENCY, "EVENT_PARTITIONS": "day"}):
+        partitioning.convert("default")
+        try:
+            yield
+        finally:
+            if partitioning.is_partitioned("default"):
+                partitioning.revert("default")
 
 
 def test_each_reservation_is_a_span(otel: Sdk) -> None:

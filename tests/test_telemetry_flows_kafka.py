@@ -6,12 +6,14 @@ the mock cluster (tests/kafka_cluster.py), with the test project's handler.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections import Counter
 from typing import Any
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 pytest.importorskip("opentelemetry.sdk")
 
@@ -188,3 +190,70 @@ def test_a_failed_offset_commit_counts_once(kafka_cluster: Any, otel: Sdk) -> No
     assert changes == {
         (telemetry.KAFKA_COMMIT_FAILURES, frozenset({("idempotency.consumer", "otel.commit")})): 1
     }
+
+
+@pytest.mark.postgres
+@pytest.mark.mysql
+@pytest.mark.timeout(180)
+def test_a_message_applied_after_its_batch_rolled_back_counts_once(
+    kafka_cluster: Any, otel: Sdk
+) -> None:
+    """Regression: a batch counted the deliveries it applied, and the duplicates it skipped,
+    before its COMMIT; when a later message of the batch failed and the batch rolled back,
+    the same messages were counted again one at a time, so ``idempotency.consumer.deliveries``
+    counted each message before the poison twice. Each message counts once now: the deliveries
+    of a batch are counted when its transaction commits. And ``idempotency.kafka.messages``
+    counts a committed batch's messages too, as the runner's own tally does."""
+    from django_idempotency.kafka.runner import ConsumerRunner, Outcome
+    from django_idempotency.models import ProcessedEvent
+    from tests.test_kafka_runner_fast import (
+        committed,
+        effect_ids,
+        event,
+        produce,
+        recording_handler,
+        settings_for,
+    )
+
+    topic = kafka_cluster.new_topic("otel-batch")
+    # BATCH_SIZE=5: six messages one at a time (five, and one more to settle), then a batch
+    # whose third message is a duplicate (applied before) and whose fourth one fails.
+    values = [event() for _ in range(8)] + [event(poison=True)] + [event() for _ in range(3)]
+    ids = [json.loads(v)["event_id"] for v in values]
+    settings = settings_for(
+        kafka_cluster, topic, batch_size=5, event_id_source="json", max_deliveries=1
+    )
+    ProcessedEvent.objects.create(
+        consumer=settings.name, event_id=ids[7], expires_at=timezone.now()
+    )
+    produce(kafka_cluster, topic, values)
+    runner = ConsumerRunner(settings, recording_handler([], fail=lambda e: "poison" in e))
+    before = otel.counter_values()
+    # Every message once, and the poison once more: it fails alone, then is dead-lettered.
+    runner.run(max_messages=len(values) + 1)
+    changes = delta(before, otel.counter_values())
+
+    assert runner.counts == {
+        Outcome.APPLIED: 10,
+        Outcome.DUPLICATE: 1,
+        Outcome.RETRY: 1,
+        Outcome.DEAD_LETTERED: 1,
+    }
+    assert sum(committed(kafka_cluster, settings).values()) == len(values)
+    healthy = [i for i in ids if i not in (ids[7], ids[8])]
+    assert Counter(effect_ids()) == Counter(healthy)
+    deliveries = {
+        dict(attributes)["idempotency.outcome"]: value
+        for attributes, value in only(changes, telemetry.CONSUMER_DELIVERIES).items()
+    }
+    assert deliveries == {"applied": 10, "duplicate": 1, "failed": 1, "parked": 1}
+    # Regression: the messages of a batch that committed were not counted at all in
+    # idempotency.kafka.messages (only those handled one at a time were). A batch did commit:
+    # its reservations share one processed_at.
+    stamps = ProcessedEvent.objects.filter(consumer=settings.name).values_list("processed_at")
+    assert len(set(stamps)) < len(stamps)
+    messages = {
+        dict(attributes)["idempotency.outcome"]: value
+        for attributes, value in only(changes, telemetry.KAFKA_MESSAGES).items()
+    }
+    assert messages == {outcome.value: count for outcome, count in runner.counts.items()}

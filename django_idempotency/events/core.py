@@ -486,7 +486,10 @@ def process_first_deliveries(
     without raising: an error it caught without a savepoint on PostgreSQL, or
     ``set_rollback(True)``) propagates, and the caller must roll the whole transaction back
     and process the events one at a time with :func:`process_event`, which counts, isolates
-    and parks. Nothing is counted here, as for any first delivery.
+    and parks. Nothing is counted here, as for any first delivery. The metric
+    ``idempotency.consumer.deliveries`` counts the batch's events (applied, duplicate) when
+    the caller's transaction commits: never for a batch that rolls back, whose events count
+    once, when they are processed again one at a time.
 
     The ``on_commit`` callbacks a body registers run when the caller's transaction commits, as
     if the body had had a transaction of its own: one that raises skips the later callbacks of
@@ -513,6 +516,28 @@ def process_first_deliveries(
         )
     if not events:
         return []
+    # The deliveries are counted once the caller's transaction commits: a batch that rolls
+    # back counts none, and its events count once, when they go one at a time.
+    with telemetry.held_deliveries() as held:
+        results = _first_deliveries(
+            connection, name, topic_value, ttl, alias, events, items, on_commit_failed
+        )
+    if held:
+        transaction.on_commit(functools.partial(telemetry.deliveries, held), using=alias)
+    return results
+
+
+def _first_deliveries(
+    connection: Any,
+    name: str,
+    topic_value: str,
+    ttl: timedelta | float | None,
+    alias: str,
+    events: list[str],
+    items: Sequence[tuple[EventId, Callable[[], T]]],
+    on_commit_failed: Callable[[int, OnCommitFailed], object] | None,
+) -> list[Processed[T]]:
+    """The work of :func:`process_first_deliveries`, once its arguments are checked."""
     layout = event_store.sql_layout(connection, events[0])
 
     def own_callbacks(index: int, start: int) -> None:

@@ -370,18 +370,40 @@ class ConsumerRunner:
 
     def _apply_batch(self, messages: list[Message]) -> int:
         """One transaction for ``messages`` (one partition, in order), one reservation each,
-        then their offsets; on any failure, a rollback and the same messages one at a time."""
+        then their offsets; on any failure, the same messages one at a time.
+
+        The event ids are read first, outside any transaction: a message whose id cannot be
+        read stops the batch before it starts (nothing to roll back), and one at a time that
+        message is dead-lettered. A failure inside the transaction rolls the batch back."""
         settings = self.settings
+        ids: list[str] = []
+        for message in messages:
+            try:
+                ids.append(event_id_of(message, settings))
+            except Exception as exc:  # logged; the messages are then applied one at a time
+                logger.warning(
+                    "could not start a batch of %d messages: the event id of %s could not be "
+                    "read (%s: %s); no transaction was opened, applying them one at a time: "
+                    "consumer %s, %s to %s",
+                    len(messages),
+                    _describe(message),
+                    type(exc).__name__,
+                    log_text(exc),
+                    settings.name,
+                    _describe(messages[0]),
+                    _describe(messages[-1]),
+                    exc_info=not isinstance(exc, MissingEventId),
+                )
+                return self._one_at_a_time(messages)
+
+        def batch() -> str:
+            first, last = _describe(messages[0]), _describe(messages[-1])
+            return f"a batch of {len(messages)}, {first} to {last}"
+
+        # Callbacks that raised after the batch's COMMIT: the batch is applied all the same
+        # (process_first_deliveries keeps each message's callbacks to itself).
+        hooks_failed: list[tuple[int, OnCommitFailed]] = []
         try:
-            ids = [event_id_of(message, settings) for message in messages]
-
-            def batch() -> str:
-                first, last = _describe(messages[0]), _describe(messages[-1])
-                return f"a batch of {len(messages)}, {first} to {last}"
-
-            # Callbacks that raised after the batch's COMMIT: the batch is applied all the same
-            # (process_first_deliveries keeps each message's callbacks to itself).
-            hooks_failed: list[tuple[int, OnCommitFailed]] = []
             with self._watchdog.arm(batch), transaction.atomic(using=conf.DATABASE):
                 # A settled partition: first deliveries, reserved together up front.
                 processed = process_first_deliveries(
@@ -406,19 +428,30 @@ class ConsumerRunner:
                 exc_info=True,
             )
             close_old_connections()  # a broken connection is replaced first
-            handled = 0
-            for message in messages:
-                handled += 1
-                if self.handle(message) is Outcome.RETRY:
-                    break
-            return handled
+            return self._one_at_a_time(messages)
         for index, failure in hooks_failed:
             self._commit_hook_failed(messages[index], ids[index], failure)
         self.counts.update(outcomes)
+        for outcome, amount in Counter(outcomes).items():
+            telemetry.count(
+                telemetry.KAFKA_MESSAGES,
+                {"idempotency.consumer": settings.name, "idempotency.outcome": outcome.value},
+                amount,
+            )
         topic, partition, offset = _position(messages[-1])
         self._done[topic, partition] = offset + 1
         self._commit_if_due()
         return len(messages)
+
+    def _one_at_a_time(self, messages: list[Message]) -> int:
+        """A batch's messages, each with :meth:`handle`, up to the first that comes again;
+        how many were handled."""
+        handled = 0
+        for message in messages:
+            handled += 1
+            if self.handle(message) is Outcome.RETRY:
+                break
+        return handled
 
     def process(self, message: Message) -> Outcome:
         """Run the handler once per event id, or dead-letter the message; never commits.
