@@ -288,3 +288,44 @@ def test_what_it_does_not_cover_goes_through_kombu(
     assert written_by_us == []  # nothing of the batch was written by the pipeline of our own
     assert ours == by_kombu
     assert sum(len(entries) for entries in ours.values()) == 3
+
+
+def test_task_sent_events_are_published_as_kombu_publishes_them(
+    redis_client: Any, queue: str
+) -> None:
+    """With ``task_send_sent_event``, each message's ``task-sent`` event goes out too.
+
+    On Redis, Celery's event exchange is a fanout (a ``PUBLISH``). The event is published
+    through the producer ``send_task_message`` was given: a :class:`RedisBatch` raised
+    NotCovered for it, which the event dispatcher swallowed (``buffer_while_offline``), so the
+    events were never sent and piled up in the app's default dispatcher's buffer."""
+    import time
+
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    app.conf.task_send_sent_event = True
+    db = URL.rsplit("/", 1)[1]
+    messages = [message(queue, n) for n in range(3)]
+    seen: dict[bool, list[bytes]] = {}
+    for fast in (False, True):
+        pubsub = redis_client.pubsub()
+        pubsub.psubscribe(f"/{db}.celeryev/*")
+        pubsub.get_message(timeout=1)  # the subscription's confirmation
+        transport = CeleryTransport(app=app, fast_redis=fast)
+        try:
+            assert transport.send(messages) == [None] * 3
+        finally:
+            transport.close()
+        events: list[bytes] = []
+        deadline = time.monotonic() + 2
+        while len(events) < 3 and time.monotonic() < deadline:
+            item = pubsub.get_message(timeout=0.1)
+            if item and item["type"] == "pmessage":
+                events.append(item["channel"])
+        pubsub.close()
+        seen[fast] = events
+        assert redis_client.llen(queue) == 3
+        redis_client.delete(queue)
+
+    assert seen[True] == seen[False] == [f"/{db}.celeryev/task.sent".encode()] * 3
+    assert not app.amqp._event_dispatcher._outbound_buffer
