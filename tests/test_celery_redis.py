@@ -329,3 +329,50 @@ def test_task_sent_events_are_published_as_kombu_publishes_them(
 
     assert seen[True] == seen[False] == [f"/{db}.celeryev/task.sent".encode()] * 3
     assert not app.amqp._event_dispatcher._outbound_buffer
+
+
+def test_publish_signal_receivers_see_each_message_once_when_a_batch_needs_kombu(
+    redis_client: Any, queue: str
+) -> None:
+    """A batch the pipeline does not cover goes through kombu: built a second time. With a
+    receiver on the publish signals (OpenTelemetry's Celery instrumentation is one), the
+    messages built before the one not covered were announced twice, published once."""
+    from kombu import Exchange
+
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    other = f"{queue}-ex"
+    exchange = Exchange(other, type="direct")
+    app.conf.task_queues = [Queue(queue, routing_key=queue), Queue(other, exchange, "x")]
+    seen: list[tuple[str, str]] = []
+
+    def before(headers: Any = None, **_: Any) -> None:
+        seen.append(("before", headers["id"]))
+
+    def after(headers: Any = None, **_: Any) -> None:
+        seen.append(("after", headers["id"]))
+
+    messages = [
+        message(queue, 0),
+        message(queue, 1),
+        message(other, 2, exchange=exchange.name, routing_key="x"),
+    ]
+    expected = [(when, m.event_id) for m in messages for when in ("before", "after")]
+    signals.before_task_publish.connect(before, weak=False)
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        for fast in (False, True):
+            seen.clear()
+            transport = CeleryTransport(app=app, fast_redis=fast)
+            try:
+                assert transport.send(messages) == [None] * 3
+            finally:
+                transport.close()
+            assert seen == expected
+            assert redis_client.llen(queue) == 2
+            assert redis_client.llen(other) == 1
+            redis_client.delete(queue, other)
+    finally:
+        signals.before_task_publish.disconnect(before)
+        signals.after_task_publish.disconnect(after)
+        delete_queue(URL, other)
