@@ -376,3 +376,44 @@ def test_publish_signal_receivers_see_each_message_once_when_a_batch_needs_kombu
         signals.before_task_publish.disconnect(before)
         signals.after_task_publish.disconnect(after)
         delete_queue(URL, other)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review of d6510f5: a batch the pipeline does not cover is built again through "
+    "kombu, and its earlier messages get a second idempotency.outbox.send span (the first "
+    "ones end with NotCovered); not fixed: needs the coverage known before a message's span",
+)
+def test_a_batch_that_needs_kombu_has_one_send_span_a_message(
+    redis_client: Any, queue: str
+) -> None:
+    from kombu import Exchange
+
+    from tests.otel_helpers import sdk
+
+    otel = sdk()
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    other = f"{queue}-ex"
+    exchange = Exchange(other, type="direct")
+    app.conf.task_queues = [Queue(queue, routing_key=queue), Queue(other, exchange, "x")]
+    messages = [
+        message(queue, 0),
+        message(queue, 1),
+        message(other, 2, exchange=exchange.name, routing_key="x"),
+    ]
+    spans: dict[bool, list[str]] = {}
+    try:
+        for fast in (False, True):
+            otel.spans.clear()
+            transport = CeleryTransport(app=app, fast_redis=fast)
+            try:
+                assert transport.send(messages) == [None] * 3
+            finally:
+                transport.close()
+            spans[fast] = [span.name for span in otel.finished()]
+            redis_client.delete(queue, other)
+    finally:
+        delete_queue(URL, other)
+    assert spans[False] == ["idempotency.outbox.send"] * 3
+    assert spans[True] == spans[False]
