@@ -288,3 +288,132 @@ def test_what_it_does_not_cover_goes_through_kombu(
     assert written_by_us == []  # nothing of the batch was written by the pipeline of our own
     assert ours == by_kombu
     assert sum(len(entries) for entries in ours.values()) == 3
+
+
+def test_task_sent_events_are_published_as_kombu_publishes_them(
+    redis_client: Any, queue: str
+) -> None:
+    """With ``task_send_sent_event``, each message's ``task-sent`` event goes out too.
+
+    On Redis, Celery's event exchange is a fanout (a ``PUBLISH``). The event is published
+    through the producer ``send_task_message`` was given: a :class:`RedisBatch` raised
+    NotCovered for it, which the event dispatcher swallowed (``buffer_while_offline``), so the
+    events were never sent and piled up in the app's default dispatcher's buffer."""
+    import time
+
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    app.conf.task_send_sent_event = True
+    db = URL.rsplit("/", 1)[1]
+    messages = [message(queue, n) for n in range(3)]
+    seen: dict[bool, list[bytes]] = {}
+    for fast in (False, True):
+        pubsub = redis_client.pubsub()
+        pubsub.psubscribe(f"/{db}.celeryev/*")
+        pubsub.get_message(timeout=1)  # the subscription's confirmation
+        transport = CeleryTransport(app=app, fast_redis=fast)
+        try:
+            assert transport.send(messages) == [None] * 3
+        finally:
+            transport.close()
+        events: list[bytes] = []
+        deadline = time.monotonic() + 2
+        while len(events) < 3 and time.monotonic() < deadline:
+            item = pubsub.get_message(timeout=0.1)
+            if item and item["type"] == "pmessage":
+                events.append(item["channel"])
+        pubsub.close()
+        seen[fast] = events
+        assert redis_client.llen(queue) == 3
+        redis_client.delete(queue)
+
+    assert seen[True] == seen[False] == [f"/{db}.celeryev/task.sent".encode()] * 3
+    assert not app.amqp._event_dispatcher._outbound_buffer
+
+
+def test_publish_signal_receivers_see_each_message_once_when_a_batch_needs_kombu(
+    redis_client: Any, queue: str
+) -> None:
+    """A batch the pipeline does not cover goes through kombu: built a second time. With a
+    receiver on the publish signals (OpenTelemetry's Celery instrumentation is one), the
+    messages built before the one not covered were announced twice, published once."""
+    from kombu import Exchange
+
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    other = f"{queue}-ex"
+    exchange = Exchange(other, type="direct")
+    app.conf.task_queues = [Queue(queue, routing_key=queue), Queue(other, exchange, "x")]
+    seen: list[tuple[str, str]] = []
+
+    def before(headers: Any = None, **_: Any) -> None:
+        seen.append(("before", headers["id"]))
+
+    def after(headers: Any = None, **_: Any) -> None:
+        seen.append(("after", headers["id"]))
+
+    messages = [
+        message(queue, 0),
+        message(queue, 1),
+        message(other, 2, exchange=exchange.name, routing_key="x"),
+    ]
+    expected = [(when, m.event_id) for m in messages for when in ("before", "after")]
+    signals.before_task_publish.connect(before, weak=False)
+    signals.after_task_publish.connect(after, weak=False)
+    try:
+        for fast in (False, True):
+            seen.clear()
+            transport = CeleryTransport(app=app, fast_redis=fast)
+            try:
+                assert transport.send(messages) == [None] * 3
+            finally:
+                transport.close()
+            assert seen == expected
+            assert redis_client.llen(queue) == 2
+            assert redis_client.llen(other) == 1
+            redis_client.delete(queue, other)
+    finally:
+        signals.before_task_publish.disconnect(before)
+        signals.after_task_publish.disconnect(after)
+        delete_queue(URL, other)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review of d6510f5: a batch the pipeline does not cover is built again through "
+    "kombu, and its earlier messages get a second idempotency.outbox.send span (the first "
+    "ones end with NotCovered); not fixed: needs the coverage known before a message's span",
+)
+def test_a_batch_that_needs_kombu_has_one_send_span_a_message(
+    redis_client: Any, queue: str
+) -> None:
+    from kombu import Exchange
+
+    from tests.otel_helpers import sdk
+
+    otel = sdk()
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+    other = f"{queue}-ex"
+    exchange = Exchange(other, type="direct")
+    app.conf.task_queues = [Queue(queue, routing_key=queue), Queue(other, exchange, "x")]
+    messages = [
+        message(queue, 0),
+        message(queue, 1),
+        message(other, 2, exchange=exchange.name, routing_key="x"),
+    ]
+    spans: dict[bool, list[str]] = {}
+    try:
+        for fast in (False, True):
+            otel.spans.clear()
+            transport = CeleryTransport(app=app, fast_redis=fast)
+            try:
+                assert transport.send(messages) == [None] * 3
+            finally:
+                transport.close()
+            spans[fast] = [span.name for span in otel.finished()]
+            redis_client.delete(queue, other)
+    finally:
+        delete_queue(URL, other)
+    assert spans[False] == ["idempotency.outbox.send"] * 3
+    assert spans[True] == spans[False]

@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Copies", "Recorder", "copiable", "kind"]
+__all__ = ["Copies", "Recorder", "copiable", "kind", "observed"]
 
 
 def kind(
@@ -36,16 +36,22 @@ def kind(
     return destination, given, tuple(headers)
 
 
+def observed() -> bool:
+    """Whether a receiver listens on one of Celery's publish signals (it sees each build)."""
+    from celery import signals
+
+    return any(
+        signal.receivers
+        for signal in (signals.before_task_publish, signals.after_task_publish, signals.task_sent)
+    )
+
+
 def copiable(app: Any, sent_event: bool) -> bool:
     """Whether a batch's messages may be copies of the first of their kind (see the module)."""
-    from celery import signals
     from celery.app.routes import MapRoute
 
-    if sent_event:
+    if sent_event or observed():
         return False
-    for signal in (signals.before_task_publish, signals.after_task_publish, signals.task_sent):
-        if signal.receivers:
-            return False
     return all(isinstance(route, MapRoute) for route in app.amqp.router.routes)
 
 

@@ -433,7 +433,8 @@ class CeleryTransport:
     def _send_redis(self, producer: Any, call: _Call) -> bool:
         """Redis: the call in one pipeline of its own (:mod:`.celery_redis`), the same messages
         kombu would write, in a third of the time; False (nothing written) when a message needs
-        kombu, or the transport was built with ``fast_redis=False``."""
+        kombu, the app sends task-sent events, a receiver listens on the publish signals, or
+        the transport was built with ``fast_redis=False``."""
         if not self.fast_redis or self._connection.transport.driver_type != "redis":
             return False
         app = self.app
@@ -441,6 +442,13 @@ class CeleryTransport:
         if producer.exchange.name or not celery_redis.covered(app, channel):
             return False
         settings = _AppSettings.read(app)
+        if settings.sent_event or celery_copies.observed():
+            # The task-sent event is published through the same producer, to Celery's event
+            # exchange: NotCovered there is swallowed by the event dispatcher (it buffers events
+            # while "offline"), so the events would be lost. And a receiver of the publish
+            # signals would see a message twice if a later one of the batch needs kombu (the
+            # batch is built again). Through kombu instead.
+            return False
         templates = celery_copies.copiable(app, settings.sent_event)
         batch = celery_redis.RedisBatch(channel, producer.exchange.delivery_mode, templates)
         try:
