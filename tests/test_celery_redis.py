@@ -296,9 +296,9 @@ def test_task_sent_events_are_published_as_kombu_publishes_them(
     """With ``task_send_sent_event``, each message's ``task-sent`` event goes out too.
 
     On Redis, Celery's event exchange is a fanout (a ``PUBLISH``). The event is published
-    through the producer ``send_task_message`` was given: a :class:`RedisBatch` raised
-    NotCovered for it, which the event dispatcher swallowed (``buffer_while_offline``), so the
-    events were never sent and piled up in the app's default dispatcher's buffer."""
+    through the producer ``send_task_message`` was given: a :class:`RedisBatch` refused it
+    (review of d6510f5), and the event dispatcher swallowed that (``buffer_while_offline``), so
+    the events were never sent and piled up in the app's default dispatcher's buffer."""
     import time
 
     app = celery_app(URL)
@@ -334,9 +334,10 @@ def test_task_sent_events_are_published_as_kombu_publishes_them(
 def test_publish_signal_receivers_see_each_message_once_when_a_batch_needs_kombu(
     redis_client: Any, queue: str
 ) -> None:
-    """A batch the pipeline does not cover goes through kombu: built a second time. With a
-    receiver on the publish signals (OpenTelemetry's Celery instrumentation is one), the
-    messages built before the one not covered were announced twice, published once."""
+    """A message the pipeline does not cover goes through kombu. With a receiver on the publish
+    signals (OpenTelemetry's Celery instrumentation is one), each message is announced once:
+    the batch used to be built a second time through kombu, so the messages built before the
+    one not covered were announced twice, published once (review of d6510f5)."""
     from kombu import Exchange
 
     app = celery_app(URL)
@@ -378,15 +379,11 @@ def test_publish_signal_receivers_see_each_message_once_when_a_batch_needs_kombu
         delete_queue(URL, other)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review of d6510f5: a batch the pipeline does not cover is built again through "
-    "kombu, and its earlier messages get a second idempotency.outbox.send span (the first "
-    "ones end with NotCovered); not fixed: needs the coverage known before a message's span",
-)
 def test_a_batch_that_needs_kombu_has_one_send_span_a_message(
     redis_client: Any, queue: str
 ) -> None:
+    """One ``idempotency.outbox.send`` span a message, also when one of the batch goes through
+    kombu (a batch built again used to give its earlier messages a second span)."""
     from kombu import Exchange
 
     from tests.otel_helpers import sdk
@@ -417,3 +414,74 @@ def test_a_batch_that_needs_kombu_has_one_send_span_a_message(
         delete_queue(URL, other)
     assert spans[False] == ["idempotency.outbox.send"] * 3
     assert spans[True] == spans[False]
+
+
+def compressed_app(queue: str) -> Any:
+    app = celery_app(URL)
+    app.conf.task_default_queue = queue
+
+    @app.task(name="celery_redis.compressed", compression="zlib", shared=False)
+    def compressed(*args: Any, **kwargs: Any) -> None:  # pragma: no cover - never run
+        pass
+
+    app.finalize()
+    return app
+
+
+def test_a_message_kombu_publishes_keeps_its_place_in_the_list(
+    redis_client: Any, queue: str
+) -> None:
+    """The batch writes what it holds before kombu publishes a message it does not cover (a
+    task with its own compression), so one list keeps the call's order."""
+    app = compressed_app(queue)
+    messages = [
+        dataclasses.replace(message(queue, n, key="k"), destination=destination)
+        for n, destination in enumerate(
+            ["shop.effect", "celery_redis.compressed", "shop.effect", "shop.effect"]
+        )
+    ]
+
+    by_kombu, ours, _ = both_ways(redis_client, app, queue, messages)
+
+    assert ours == by_kombu
+    assert [entry["headers"]["id"] for entry in ours[queue.encode()]] == [
+        m.event_id for m in messages
+    ]
+
+
+def test_what_was_written_before_a_failure_counts_as_sent(redis_client: Any, queue: str) -> None:
+    """The messages written before kombu published one (and that one) are sent, even when the
+    batch's last pipeline then fails: only the rest is reported failed, and sent again."""
+    app = compressed_app(queue)
+    messages = [
+        dataclasses.replace(message(queue, n), destination=destination)
+        for n, destination in enumerate(
+            ["shop.effect", "celery_redis.compressed", "shop.effect", "shop.effect"]
+        )
+    ]
+    real = celery_redis.RedisBatch.execute
+    calls = 0
+
+    def fails_last(self: celery_redis.RedisBatch, client: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first is the flush before kombu's publish
+            raise ConnectionError("Redis went away")
+        real(self, client)
+
+    transport = CeleryTransport(app=app)
+    celery_redis.RedisBatch.execute = fails_last  # type: ignore[method-assign]
+    try:
+        results = transport.send(messages)
+    finally:
+        celery_redis.RedisBatch.execute = real  # type: ignore[method-assign]
+        transport.close()
+
+    assert results[:2] == [None, None]
+    assert all(isinstance(result, ConnectionError) for result in results[2:]), results
+    written = [entry["headers"]["id"] for entry in written_entries(redis_client, queue)]
+    assert written == [messages[0].event_id, messages[1].event_id]
+
+
+def written_entries(client: Any, queue: str) -> list[dict[str, Any]]:
+    return [entry for entries in written(client, queue).values() for entry in entries]

@@ -17,9 +17,10 @@ byte for byte what kombu would write, but for its ``delivery_tag`` (a fresh uuid
   task id, arguments and headers, under the rules of
   :mod:`~django_idempotency.outbox.celery_copies` (which ``CeleryTransport`` checks per batch).
 
-Anything this does not cover (another exchange, a queue with ``x-expires``, compression, a
-protocol other than 2) raises :class:`NotCovered` before anything of the batch is written, and
-the transport sends that batch through kombu instead. The private kombu calls used
+A message this does not cover (another exchange, a queue with ``x-expires``, compression) is
+published by kombu's own ``Producer.publish``, once the messages before it in the batch are
+written, so a key's order holds; a protocol other than 2 (:func:`covered`) sends the whole batch
+through kombu's ``Producer.batch``. The private kombu calls used
 (``Channel._q_for_pri``, ``_get_message_priority``, ``_next_delivery_tag`` and ``_expires``)
 are those kombu's own publish makes; ``tests/test_celery_redis.py`` compares what both paths
 write, message by message, on generated messages, on every kombu version the project supports.
@@ -27,7 +28,7 @@ write, message by message, on generated messages, on every kombu version the pro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from django_idempotency.outbox.celery_copies import copied_headers
@@ -35,11 +36,7 @@ from django_idempotency.outbox.celery_copies import copied_headers
 # kombu is imported where it is used: this module is imported with the transports, which a
 # project without Celery (Kafka only) imports too.
 
-__all__ = ["NotCovered", "RedisBatch", "covered"]
-
-
-class NotCovered(Exception):
-    """A message this module does not write; the batch goes through kombu instead."""
+__all__ = ["RedisBatch", "covered"]
 
 
 def covered(app: Any, channel: Any) -> bool:
@@ -68,70 +65,89 @@ class _Template:
 class RedisBatch:
     """A batch of task messages for one Redis channel, written by :meth:`execute`.
 
-    Pass it to ``app.amqp.send_task_message`` as the producer: Celery calls :meth:`publish`.
+    Pass it to ``app.amqp.send_task_message`` as the producer: Celery calls :meth:`publish`. A
+    message it does not cover goes to kombu's own ``producer`` (``Producer.publish``) once the
+    batch's earlier messages are written (:meth:`flush`), so one key's messages keep their
+    order and every message is built once (a publish signal's receiver sees it once).
+    Before each message the transport sets :attr:`index`, its place in the call; the places
+    written so far are in :attr:`written`.
     """
 
-    def __init__(self, channel: Any, default_delivery_mode: Any, templates: bool) -> None:
-        self.channel = channel
-        self.connection = channel.connection
-        self.default_delivery_mode = default_delivery_mode
+    def __init__(self, producer: Any, templates: bool) -> None:
+        self.producer = producer
+        self.channel = producer.channel
+        self.connection = producer.connection
+        self.default_delivery_mode = producer.exchange.delivery_mode
         self.templates_on = templates
         self.lists: dict[str, list[str]] = {}
         self.templates: dict[tuple[Any, ...], _Template] = {}
+        self.index = -1
+        self.held: list[int] = []
+        """The places of the messages in :attr:`lists`, not written yet."""
+        self.written: list[int] = []
+        """The places of the messages written by a :meth:`flush` during the call."""
         self._last: _Template | None = None
+        self._key = ""
 
     # --- Built by Celery ------------------------------------------------------------------
 
-    def publish(
-        self,
-        body: Any,
-        routing_key: str | None = None,
-        delivery_mode: Any = None,
-        mandatory: bool = False,
-        immediate: bool = False,
-        priority: int = 0,
-        content_type: str | None = None,
-        content_encoding: str | None = None,
-        serializer: str | None = None,
-        headers: dict[str, Any] | None = None,
-        compression: str | None = None,
-        exchange: Any = None,
-        retry: bool = False,
-        retry_policy: Any = None,
-        declare: Sequence[Any] | None = None,
-        expiration: float | None = None,
-        timeout: float | None = None,
-        confirm_timeout: float | None = None,
-        **properties: Any,
-    ) -> None:
-        """What ``Producer.publish`` and ``Channel.basic_publish`` write for this message."""
+    def publish(self, body: Any, **options: Any) -> Any:
+        """What ``Producer.publish`` and ``Channel.basic_publish`` write for this message
+        (``options`` are ``Producer.publish``'s), or kombu's own publish of it."""
         from kombu.common import maybe_declare
         from kombu.entity import maybe_delivery_mode
         from kombu.serialization import dumps as serialize
 
-        exchange_name = getattr(exchange, "name", exchange)
-        if exchange_name or compression or content_type or not routing_key or retry:
-            raise NotCovered("an exchange, compression or a raw body")
+        self._last = None
+        routing_key = options.get("routing_key")
+        exchange = options.get("exchange")
+        if (
+            getattr(exchange, "name", exchange)
+            or options.get("compression")
+            or options.get("content_type")
+            or options.get("retry")
+            or not routing_key
+        ):
+            return self._by_kombu(body, options)  # an exchange, compression, a raw body
         channel = self.channel
+        known = {
+            "routing_key", "delivery_mode", "mandatory", "immediate", "priority",
+            "content_type", "content_encoding", "serializer", "headers", "compression",
+            "exchange", "retry", "retry_policy", "declare", "expiration", "timeout",
+            "confirm_timeout",
+        }  # fmt: skip
+        properties = {key: value for key, value in options.items() if key not in known}
         properties["delivery_mode"] = maybe_delivery_mode(
-            delivery_mode or self.default_delivery_mode
+            options.get("delivery_mode") or self.default_delivery_mode
         )
+        expiration = options.get("expiration")
         if expiration is not None:
             properties["expiration"] = str(int(expiration * 1000))
+        serializer = options.get("serializer")
         content_type, content_encoding, data = serialize(body, serializer=serializer)
         message = channel.prepare_message(
-            data, priority, content_type, content_encoding, headers, properties
+            data,
+            options.get("priority", 0),
+            content_type,
+            content_encoding,
+            options.get("headers"),
+            properties,
         )
-        for entity in declare or ():
+        for entity in options.get("declare") or ():
             maybe_declare(entity, channel)
         if channel._expires and routing_key in channel._expires:  # known once declared
-            raise NotCovered("a queue with x-expires")
+            return self._by_kombu(body, options)  # its PEXPIREs are kombu's
         self._augment(message, routing_key)
-        self._last = (
-            _Template("", message, body[2], serializer or "json")
-            if expiration is None and isinstance(body, tuple) and len(body) == 3
-            else None
-        )
+        if expiration is None and isinstance(body, tuple) and len(body) == 3:
+            self._last = _Template("", message, body[2], serializer or "json")
+        return None
+
+    def _by_kombu(self, body: Any, options: dict[str, Any]) -> Any:
+        """Publish through kombu's producer, after the batch's earlier messages."""
+        self.flush()
+        published = self.producer.publish(body, **options)
+        self.written.append(self.index)
+        return published
 
     def _augment(self, message: dict[str, Any], routing_key: str) -> None:
         """``basic_publish`` and ``_put``: the encoded body, the tag, the priority's list."""
@@ -147,6 +163,7 @@ class RedisBatch:
         priority = channel._get_message_priority(message, reverse=False)
         key = channel._q_for_pri(routing_key, priority)
         self.lists.setdefault(key, []).append(wire_json(message))
+        self.held.append(self.index)
         self._key = key
 
     # --- Copies ---------------------------------------------------------------------------
@@ -195,15 +212,27 @@ class RedisBatch:
             "properties": props,
         }
         self.lists.setdefault(template.key, []).append(wire_json(message))
+        self.held.append(self.index)
         return True
 
     # --- Writing --------------------------------------------------------------------------
 
     def execute(self, client: Any) -> None:
-        """Write the batch: one pipeline, one ``LPUSH`` per list. Raises if Redis refuses."""
+        """Write what the batch holds: one pipeline, one ``LPUSH`` per list. Raises if Redis
+        refuses (then none of it counts as written)."""
         if not self.lists:
             return
         with client.pipeline(transaction=False) as pipeline:
             for key, values in self.lists.items():
                 pipeline.lpush(key, *values)
             pipeline.execute()
+        self.lists = {}
+
+    def flush(self) -> None:
+        """Write what the batch holds now (before a message kombu publishes itself)."""
+        if not self.lists:
+            return
+        with self.channel.conn_or_acquire() as client:
+            self.execute(client)
+        self.written.extend(self.held)
+        self.held = []

@@ -432,31 +432,29 @@ class CeleryTransport:
 
     def _send_redis(self, producer: Any, call: _Call) -> bool:
         """Redis: the call in one pipeline of its own (:mod:`.celery_redis`), the same messages
-        kombu would write, in a third of the time; False (nothing written) when a message needs
-        kombu, the app sends task-sent events, a receiver listens on the publish signals, or
-        the transport was built with ``fast_redis=False``."""
+        kombu would write, in a third of the time. False (nothing sent) with task protocol 1,
+        with task-sent events, or when the transport was built with ``fast_redis=False``."""
         if not self.fast_redis or self._connection.transport.driver_type != "redis":
             return False
         app = self.app
-        channel = producer.channel
-        if producer.exchange.name or not celery_redis.covered(app, channel):
+        if producer.exchange.name or not celery_redis.covered(app, producer.channel):
             return False
         settings = _AppSettings.read(app)
-        if settings.sent_event or celery_copies.observed():
-            # The task-sent event is published through the same producer, to Celery's event
-            # exchange: NotCovered there is swallowed by the event dispatcher (it buffers events
-            # while "offline"), so the events would be lost. And a receiver of the publish
-            # signals would see a message twice if a later one of the batch needs kombu (the
-            # batch is built again). Through kombu instead.
+        if settings.sent_event:
+            # Celery publishes each task-sent event through the producer it was given, to its
+            # fanout event exchange: the batch would hand every one of them to kombu, one round
+            # trip each, after writing what it holds. Through kombu's own batch instead.
             return False
-        templates = celery_copies.copiable(app, settings.sent_event)
-        batch = celery_redis.RedisBatch(channel, producer.exchange.delivery_mode, templates)
+        batch = celery_redis.RedisBatch(producer, celery_copies.copiable(app, settings.sent_event))
         try:
             self._publish_all(batch, call, range(len(call.messages)), redis=batch)
-        except celery_redis.NotCovered:
-            return False
-        with channel.conn_or_acquire() as client:
-            batch.execute(client)
+            with producer.channel.conn_or_acquire() as client:
+                batch.execute(client)
+            batch.written.extend(batch.held)
+        finally:
+            # Written by a flush before a message kombu published itself: sent, whatever
+            # happens to the rest of the call.
+            call.confirmed.update(batch.written)
         return True
 
     def _send_batch(self, producer: Any, call: _Call) -> None:
@@ -535,6 +533,8 @@ class CeleryTransport:
             try:
                 message = call.messages[index]
                 with telemetry.sending(message.headers, {"messaging.system": "celery"}):
+                    if redis is not None:
+                        redis.index = index
                     kind, copied = self._copy(redis, copies, producer, settings, message)
                     if copied and redis is not None:
                         continue  # written into the batch: no delivery tag to follow
@@ -552,8 +552,6 @@ class CeleryTransport:
                             redis.remember(kind)
                         elif recorder is not None:
                             copies.remember(kind, recorder)
-            except celery_redis.NotCovered:
-                raise
             except Exception as exc:
                 if self._is_connection_error(exc):
                     raise
