@@ -65,6 +65,7 @@ __all__ = [
     "span",
     "timed",
     "traced",
+    "tracing",
 ]
 
 logger = logging.getLogger("django_idempotency")
@@ -207,6 +208,13 @@ def _api() -> _Api | None:
 def enabled() -> bool:
     """True when metrics and spans are recorded: the API is installed and the setting is on."""
     return _api() is not None
+
+
+def tracing() -> bool:
+    """True when spans are recorded now (an SDK's tracer provider is set). A loop that opens a
+    span per item asks once per batch and skips :func:`sending` when it is False: asking costs
+    the API's provider lookup (an environment read), twice per message in the relay."""
+    return _tracer() is not None
 
 
 def _tracer() -> _Api | None:

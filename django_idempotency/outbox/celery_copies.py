@@ -32,8 +32,18 @@ def kind(
 ) -> tuple[Any, ...]:
     """What two messages must share to be copies of one: the task, the message's own
     options, and its header names in their order."""
-    given = json.dumps(options, sort_keys=True, default=repr) if options else ""
+    if not options:
+        given: Any = ""
+    elif all(type(value) in _PLAIN for value in options.values()):
+        given = tuple(sorted(options.items()))  # a queue name, a priority: no JSON to write
+    else:
+        given = json.dumps(options, sort_keys=True, default=repr)
     return destination, given, tuple(headers)
+
+
+#: The option values a kind compares as they are (exact types: ``True`` and ``1.0`` are not
+#: ``1`` here, as they are not in the JSON a message carries).
+_PLAIN = (str, int, type(None))
 
 
 def observed() -> bool:

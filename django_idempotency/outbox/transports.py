@@ -42,6 +42,7 @@ per batch, AMQP transactions) that share the same per-key failure rule and timeo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -77,6 +78,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_UNTRACED = contextlib.nullcontext()
+"""The context of a message's publish when no span is recorded (reusable, it does nothing)."""
 
 CELERY_OPTIONS = frozenset({"queue", "routing_key", "exchange", "priority", "expires"})
 """The ``apply_async`` options a Celery message may carry in its payload's ``"options"``."""
@@ -525,6 +529,7 @@ class CeleryTransport:
                 redis is None and celery_copies.copiable(app, settings.sent_event)
             )
         copies = call.copies
+        traced = telemetry.tracing()
         for index in indexes:
             if call.held_back(index):
                 continue
@@ -532,7 +537,11 @@ class CeleryTransport:
             queue_name = None
             try:
                 message = call.messages[index]
-                with telemetry.sending(message.headers, {"messaging.system": "celery"}):
+                with (
+                    telemetry.sending(message.headers, {"messaging.system": "celery"})
+                    if traced
+                    else _UNTRACED
+                ):
                     if redis is not None:
                         redis.index = index
                     kind, copied = self._copy(redis, copies, producer, settings, message)
