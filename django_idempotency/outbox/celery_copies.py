@@ -24,7 +24,7 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Copies", "Recorder", "copiable", "kind", "observed"]
+__all__ = ["Copies", "Recorder", "copiable", "copied_body", "kind", "observed"]
 
 
 def kind(
@@ -78,6 +78,12 @@ def copied_headers(
     copied.update(id=task_id, root_id=task_id, argsrepr=argsrepr(), kwargsrepr=kwargsrepr())
     copied.update(headers)
     return copied
+
+
+def copied_body(args: list[Any], kwargs: dict[str, Any], embed: Any) -> tuple[Any, Any, Any]:
+    """A copy's body, as ``as_task_v2`` writes it: empty arguments as ``()`` and ``{}`` (a
+    serializer may tell them from ``[]``), then the template's embed."""
+    return args or (), kwargs or {}, embed
 
 
 class Recorder:
@@ -143,6 +149,5 @@ class Copies:
         )
         options["correlation_id"] = task_id
         options["declare"] = []  # the template's publish declared them
-        # As as_task_v2 writes the body: empty arguments as () and {} (a serializer may tell).
-        producer.publish((args or (), kwargs or {}, template.embed), **options)
+        producer.publish(copied_body(args, kwargs, template.embed), **options)
         return True

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from django_idempotency.outbox.celery_copies import copied_headers
+from django_idempotency.outbox.celery_copies import copied_body, copied_headers
 
 # kombu is imported where it is used: this module is imported with the transports, which a
 # project without Celery (Kafka only) imports too.
@@ -196,8 +196,7 @@ class RedisBatch:
         source = template.message
         message_headers = copied_headers(source["headers"], task_id, argsrepr, kwargsrepr, headers)
         channel = self.channel
-        # As as_task_v2 writes the body: empty arguments as () and {} (a serializer may tell).
-        body_value = (args or (), kwargs or {}, template.embed)
+        body_value = copied_body(args, kwargs, template.embed)
         _, _, data = serialize(body_value, serializer=template.serializer)
         body, _ = channel.encode_body(data, source["properties"]["body_encoding"])
         props = dict(source["properties"])

@@ -421,8 +421,7 @@ class CeleryTransport:
                 self._send_confirmed(producer, call, self._confirms)
             elif self.transactions:
                 self._send_transaction(producer, call)
-            elif not self._send_redis(producer, call):
-                call = _Call(messages)  # the Redis batch wrote nothing: through kombu instead
+            elif not self._send_redis(producer, call):  # it declined before any message
                 self._send_batch(producer, call)
         except Exception as exc:  # noqa: BLE001 - the batch's flush, commit or wait failed
             # Only messages the broker confirmed in an earlier round are known to be there: the
