@@ -1,4 +1,4 @@
-.PHONY: demo test test-quick bench docs clean
+.PHONY: demo test test-quick release-check bench docs clean
 
 demo:  ## Serve the test project on SQLite at http://127.0.0.1:8000/
 	scripts/demo.sh
@@ -8,6 +8,9 @@ test:  ## Gates, then the Django x Python matrix (noxfile.py) on SQLite, Postgre
 
 test-quick:  ## The loop between two edits: ruff, then the quick tests on SQLite and PostgreSQL (< 3 min)
 	scripts/test-quick.sh
+
+release-check:  ## Build the sdist and wheel, twine check --strict, install the wheel with Django only
+	scripts/release-check.sh
 
 bench:  ## Benchmarks against PostgreSQL
 	scripts/bench.sh

@@ -68,7 +68,18 @@ PLAN: dict[tuple[str, str], tuple[tuple[str, ...], bool]] = {
 # The extras every session installs. Django 5.2 also gets the django.tasks backport.
 EXTRAS = "dev,postgres,mysql,celery,redis,kafka"
 # Extras whose requirements the lowest job pins to their declared minimum (dev tools stay new).
-RUNTIME_EXTRAS = ("celery", "postgres", "mysql", "redis", "kafka", "drf", "tasks")
+RUNTIME_EXTRAS = (
+    "celery",
+    "postgres",
+    "mysql",
+    "redis",
+    "kafka",
+    "drf",
+    "tasks",
+    "ninja",
+    "dramatiq",
+    "crypto",
+)
 
 
 def _find_interpreters() -> None:

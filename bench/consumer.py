@@ -11,7 +11,15 @@ Every row is the same transaction shape, one ``transaction.atomic`` per event:
   committed asynchronously (PostgreSQL; the setting is on for that row's rounds only);
 * ``@idempotent_consumer + effect, redelivered=False``: the decorator on a first delivery that
   the broker vouches for (AMQP's redelivered flag, as the Celery adapter reads it on RabbitMQ),
-  which skips its count.
+  which skips its count;
+* ``dramatiq actor alone``: a ``dramatiq.actor`` whose body is the effect's transaction, called
+  as Dramatiq's worker calls it (the message handed to the broker's middleware first);
+* ``@idempotent_actor + effect``: the same body under
+  :func:`~django_idempotency.events.dramatiq.idempotent_actor`, a message as Redis delivers it
+  (no redelivered flag: the delivery is counted); ``..., RabbitMQ first delivery``: a message
+  RabbitMQ flags as never delivered (the count is skipped); ``duplicate (@idempotent_actor)``:
+  an event already processed. These rows' ``ratio_to_actor_alone`` is the consumer's overhead
+  against the actor alone, measured side by side in the same rounds.
 
 Run in its own process with the benchmark settings (the runner does that)::
 
@@ -37,6 +45,8 @@ from bench.rounds import rotation
 
 CONSUMER = "bench.consumer"
 DECORATED = "bench.decorated-consumer"
+DRAMATIQ = "bench.dramatiq-actor"
+ACTOR_ALONE = "dramatiq actor alone"
 
 
 def _setup() -> None:
@@ -104,7 +114,61 @@ def build_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
             lambda eid: decorated({"event_id": eid, "redelivered": False}),
             "new",
         )
+    rows.update(dramatiq_rows())
     return rows
+
+
+def dramatiq_rows() -> dict[str, tuple[Callable[[str], Any], str]]:
+    """The Dramatiq rows: the actor alone, and under ``idempotent_actor``."""
+    from django.db import transaction
+
+    from bench.benchproject.models import Effect
+
+    try:
+        import dramatiq
+        from dramatiq.broker import MessageProxy
+        from dramatiq.brokers.rabbitmq import _RabbitmqMessage
+        from dramatiq.brokers.stub import StubBroker
+
+        from django_idempotency.events.dramatiq import IdempotentMessages, idempotent_actor
+    except ImportError as exc:
+        return {ACTOR_ALONE: (_missing(exc), "new")}
+    broker = StubBroker(middleware=[])
+    middleware = IdempotentMessages()
+
+    @dramatiq.actor(broker=broker, actor_name="bench_alone")
+    def alone(event_id: str) -> None:
+        with transaction.atomic():
+            Effect.objects.create(name="dramatiq-alone", payload=event_id, amount_cents=1)
+
+    @idempotent_actor(broker=broker, consumer=DRAMATIQ, actor_name="bench_idempotent")
+    def protected(event_id: str) -> None:
+        Effect.objects.create(name="dramatiq-idempotent", payload=event_id, amount_cents=1)
+
+    def delivered(actor: Any, rabbitmq: bool) -> Callable[[str], None]:
+        def handle(event_id: str) -> None:
+            message = dramatiq.Message(
+                queue_name="default",
+                actor_name=actor.actor_name,
+                args=(event_id,),
+                kwargs={},
+                options={},
+            )
+            proxy = _RabbitmqMessage(False, 1, message) if rabbitmq else MessageProxy(message)
+            middleware.before_process_message(broker, proxy)
+            try:
+                actor(*proxy.args, **proxy.kwargs)  # as dramatiq's worker calls it
+            finally:
+                middleware.after_process_message(broker, proxy)
+
+        return handle
+
+    return {
+        ACTOR_ALONE: (delivered(alone, False), "new"),
+        "@idempotent_actor + effect": (delivered(protected, False), "new"),
+        "@idempotent_actor + effect, RabbitMQ first delivery": (delivered(protected, True), "new"),
+        "duplicate (@idempotent_actor)": (delivered(protected, False), "duplicate-dramatiq"),
+    }
 
 
 ASYNC_ROW = "@idempotent_consumer + effect, ASYNC_DELIVERY_COUNT"
@@ -163,6 +227,8 @@ def run(events: int, rounds: int) -> dict[str, Any]:
         _reserve_all(duplicates, CONSUMER)
     if "duplicate (@idempotent_consumer)" in rows:
         _reserve_all(duplicates, DECORATED)
+    if "duplicate (@idempotent_actor)" in rows:
+        _reserve_all(duplicates, DRAMATIQ)
     per_round: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     statements: dict[str, Counter[int]] = {name: Counter() for name in names}
     commits: dict[str, Counter[int]] = {name: Counter() for name in names}
@@ -221,6 +287,7 @@ def run(events: int, rounds: int) -> dict[str, Any]:
             )
     out_rows = []
     alone = per_round.get("effect alone", [])
+    actor_alone = per_round.get(ACTOR_ALONE, []) if ACTOR_ALONE not in errors else []
     for name in names:
         entry: dict[str, Any] = {"row": name, "rounds": per_round[name]}
         if name in errors:
@@ -251,6 +318,22 @@ def run(events: int, rounds: int) -> dict[str, Any]:
                         (a["client_cpu_us"] + a["server_cpu_us"])
                         / (b["client_cpu_us"] + b["server_cpu_us"])
                         for a, b in zip(per_round[name], alone, strict=True)
+                    ),
+                    3,
+                )
+            if actor_alone and "idempotent_actor" in name:
+                entry["ratio_to_actor_alone"] = round(
+                    statistics.median(
+                        a["events_per_s"] / b["events_per_s"]
+                        for a, b in zip(per_round[name], actor_alone, strict=True)
+                    ),
+                    3,
+                )
+                entry["cpu_ratio_to_actor_alone"] = round(
+                    statistics.median(
+                        (a["client_cpu_us"] + a["server_cpu_us"])
+                        / (b["client_cpu_us"] + b["server_cpu_us"])
+                        for a, b in zip(per_round[name], actor_alone, strict=True)
                     ),
                     3,
                 )

@@ -15,6 +15,11 @@ building it is not timed), one request after another on one connection:
   ``otel`` extra without an SDK), and through a real SDK whose spans go to an in-memory
   exporter and metrics to an in-memory reader. ``app-first`` itself records nothing, as without
   the extra; ``ratio_to_app_first`` is the cost of telemetry on a first execution.
+* ``app-first-1k``, ``app-replay-1k``, ``crypto-first-1k``, ``crypto-replay-1k`` (when
+  ``cryptography`` is installed): a view answering a 1 kB JSON body, first execution and replay,
+  without keys and with ``ENCRYPTION_KEYS`` set (one key; the replayed record was stored
+  encrypted). ``ratio_to_plaintext`` of the two ``crypto-`` rows is the cost of encryption at
+  rest, and the run prints both on stderr, side by side.
 
 The rows take turns request by request (the order rotates each round), so that outside load
 hits every row alike, and a ratio is the median of the per-round ratios to ``bare``. On 2
@@ -33,6 +38,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 import uuid
 from collections import Counter
@@ -43,6 +49,13 @@ from typing import Any
 from bench.rounds import rotation
 
 OTEL_ROWS = ("otel-noop-first", "otel-sdk-first") if find_spec("opentelemetry.sdk") else ()
+CRYPTO_ROWS = (
+    ("app-first-1k", "crypto-first-1k", "app-replay-1k", "crypto-replay-1k")
+    if find_spec("cryptography")
+    else ()
+)
+#: Each encrypted row and the plaintext row its ratio is taken to (ENCRYPTION_KEYS, issue 37).
+ENCRYPTED_OF = {"crypto-first-1k": "app-first-1k", "crypto-replay-1k": "app-replay-1k"}
 ROWS = (
     "bare",
     "bare-atomic",
@@ -52,6 +65,7 @@ ROWS = (
     "floor-first",
     "floor-replay",
     *OTEL_ROWS,
+    *CRYPTO_ROWS,
 )
 LABELS = {
     "bare": "bare view",
@@ -63,6 +77,10 @@ LABELS = {
     "floor-replay": "raw SQL floor: replay",
     "otel-noop-first": "this app, first execution, otel API with no-op providers",
     "otel-sdk-first": "this app, first execution, otel SDK, in-memory exporter",
+    "app-first-1k": "this app, first execution, 1 kB response",
+    "app-replay-1k": "this app, replay, 1 kB response",
+    "crypto-first-1k": "this app, first execution, 1 kB response, ENCRYPTION_KEYS set",
+    "crypto-replay-1k": "this app, replay of an encrypted 1 kB response",
 }
 OWNER = "bench-owner"
 BODY = json.dumps({"amount_cents": 1250}).encode()
@@ -283,6 +301,36 @@ def _telemetry_switch(
     return switch
 
 
+def _encryption_switch() -> Callable[[str, Callable[[Any], Any]], Callable[[Any], Any]]:
+    """``switch(mode, view)``: the view, with ``ENCRYPTION_KEYS`` empty (``off``) or set to one
+    key (``on``) for each call. The rows take turns request by request, so each call puts its
+    keys in place (the parsed setting and the ready keyring, as they are once a process has read
+    them), then the ones before it back; both modes go through the switch alike."""
+    try:
+        from django_idempotency.conf import conf
+        from django_idempotency.protection import keys as protection_keys
+    except ImportError:  # an older version of the app, without encryption at rest
+        return lambda mode, view: view
+    on = (os.urandom(32),)
+    states = {"off": ((), None), "on": (on, protection_keys.Keyring(on))}
+    cache = conf._cache
+
+    def switch(mode: str, view: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        value, ring = states[mode]
+
+        def call(request: Any) -> Any:
+            before = cache.get("ENCRYPTION_KEYS"), protection_keys._cache
+            cache["ENCRYPTION_KEYS"], protection_keys._cache = value, (value, ring)
+            try:
+                return view(request)
+            finally:
+                cache["ENCRYPTION_KEYS"], protection_keys._cache = before
+
+        return call
+
+    return switch
+
+
 def build_rows(
     pooled: bool, names: tuple[str, ...] = ROWS
 ) -> tuple[dict[str, tuple[Callable[[Any], Any], str]], Floor | None]:
@@ -303,6 +351,15 @@ def build_rows(
     if "otel-noop-first" in names:
         rows["otel-noop-first"] = (switch("noop", app), "request-new")
         rows["otel-sdk-first"] = (switch("sdk", app), "request-new")
+    if any(name in names for name in CRYPTO_ROWS):
+        from bench.benchproject.views import plain_view_1k
+
+        app_1k = idempotent(plain_view_1k("app"))
+        keys = _encryption_switch()
+        rows["app-first-1k"] = (keys("off", app_1k), "request-new")
+        rows["app-replay-1k"] = (keys("off", app_1k), "request-replay-1k")
+        rows["crypto-first-1k"] = (keys("on", app_1k), "request-new")
+        rows["crypto-replay-1k"] = (keys("on", app_1k), "request-replay-1k-crypto")
     if not any(name.startswith("floor") for name in names):
         return rows, None  # e.g. an older version of the app, without the floor's statements
     floor = Floor(pooled)
@@ -325,6 +382,16 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
     response = rows["app-replay"][0](prime)
     if response.status_code != 201:
         raise RuntimeError(f"priming the replay answered {response.status_code}")
+    replay_keys = {"request-replay": replay_key}
+    for kind, row in (
+        ("request-replay-1k", "app-replay-1k"),
+        ("request-replay-1k-crypto", "crypto-replay-1k"),
+    ):
+        if row in names:  # a stored 1 kB response, plaintext or encrypted, to replay
+            replay_keys[kind] = f"micro-{kind}-{uuid.uuid4()}"
+            primed = rows[row][0](_requests(1, lambda i, k=replay_keys[kind]: k)[0])
+            if primed.status_code != 201 or len(primed.content) != 1024:
+                raise RuntimeError(f"priming {row} answered {primed.status_code}")
     per_round: dict[str, list[float]] = {name: [] for name in names}
     statements: dict[str, Counter[str]] = {name: Counter() for name in names}
 
@@ -333,8 +400,8 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
             return _requests(count, lambda i: None)
         if kind == "request-new":
             return _requests(count, lambda i: f"micro-{uuid.uuid4()}")
-        if kind == "request-replay":
-            return _requests(count, lambda i: replay_key)
+        if kind in replay_keys:
+            return _requests(count, lambda i: replay_keys[kind])
         return [f"floor-{uuid.uuid4()}" for _ in range(count)]
 
     for name in names:  # warm-up: imports, plan caches (PL/pgSQL, prepared statements)
@@ -423,6 +490,13 @@ def run(requests: int, rounds: int, pooled: bool, names: tuple[str, ...] = ROWS)
             entry["ratio_to_app_first_rounds"] = [round(r, 3) for r in ratios]
             pairs = zip(cpu_rounds[name], cpu_rounds["app-first"], strict=True)
             entry["cpu_ratio_to_app_first"] = round(statistics.median(a / b for a, b in pairs), 3)
+        if name in ENCRYPTED_OF:
+            plain = ENCRYPTED_OF[name]
+            ratios = [a / b for a, b in zip(us, per_round[plain], strict=True)]
+            entry["ratio_to_plaintext"] = round(statistics.median(ratios), 3)
+            entry["ratio_to_plaintext_rounds"] = [round(r, 3) for r in ratios]
+            pairs = zip(cpu_rounds[name], cpu_rounds[plain], strict=True)
+            entry["cpu_ratio_to_plaintext"] = round(statistics.median(a / b for a, b in pairs), 3)
         if statements[name]:
             header = statements[name].most_common(1)[0][0]
             count, _, commits = header.partition("/")
@@ -448,7 +522,19 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(names) - set(ROWS)
     if unknown or not names or names[0] != "bare":
         parser.error(f"--rows must start with bare and name only {', '.join(ROWS)}")
-    print(json.dumps(run(args.requests, args.rounds, args.pooled, names)))
+    result = run(args.requests, args.rounds, args.pooled, names)
+    encrypted = [row for row in result["rows"] if "ratio_to_plaintext" in row]
+    if encrypted:  # side by side, for a reader; stdout stays one JSON document
+        print(
+            "encryption at rest, 1 kB response, vs the same without keys: "
+            + ", ".join(
+                f"{row['row']} {row['ratio_to_plaintext']:.3f}x "
+                f"(CPU {row['cpu_ratio_to_plaintext']:.3f}x)"
+                for row in encrypted
+            ),
+            file=sys.stderr,
+        )
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

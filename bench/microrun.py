@@ -112,10 +112,12 @@ def run_micro(
             result["backend"] = backend
             out.append(result)
             for row in result["rows"]:
+                plaintext = row.get("ratio_to_plaintext")
                 log(
                     f"     {row['row']:<13} {row['us_per_request']:>9.1f} us"
                     f"  {row['ratio_to_bare']:.2f}x bare"
                     f" ({row['ratio_min']:.2f}-{row['ratio_max']:.2f})"
+                    + ("" if plaintext is None else f"  {plaintext:.3f}x without keys")
                 )
     return out
 

@@ -64,6 +64,17 @@ def setup(database_url: str) -> None:
     call_command("migrate", verbosity=0)
 
 
+def start(database_url: str) -> str:
+    """The test project on ``database_url``, migrated, its outbox and shop tables emptied:
+    the database's vendor."""
+    sys.path.insert(0, str(REPO))
+    setup(database_url)
+    from django.db import connection
+
+    clear()
+    return str(connection.vendor)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
@@ -409,6 +420,21 @@ def table(title: str, rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def report(document: dict[str, Any], output: str) -> None:
+    """Print ``document`` as JSON, and write it to the file ``output`` too unless empty."""
+    print(json.dumps(document, indent=2))
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(document, indent=2) + "\n")
+
+
+def tables(titles: dict[str, str], results: dict[str, Any], vendor: str) -> None:
+    """Print a table per section of ``results`` that ``titles`` names, in its order."""
+    for name, title in titles.items():
+        if name in results:
+            print(table(f"{title} [{vendor}]", results[name]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.outbox", description=__doc__)
     parser.add_argument("--database-url", default=DEFAULT_DB)
@@ -427,13 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.transactions, args.rounds, args.messages, args.latency_messages = 60, 2, 500, 40
-    sys.path.insert(0, str(REPO))
-    setup(args.database_url)
-    from django.db import connection
-
-    clear()
+    vendor = start(args.database_url)
     sections = args.only.split(",")
-    results: dict[str, Any] = {"database": connection.vendor}
+    results: dict[str, Any] = {"database": vendor}
     with tempfile.TemporaryDirectory(prefix="bench-outbox-") as tmp:
         if "publish" in sections:
             results["publish"] = publish_cost(args.transactions, args.rounds)
@@ -451,19 +473,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rounds=min(args.rounds, 3),
                 tmp=Path(tmp),
             )
-    print(json.dumps(results, indent=2))
-    if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(results, indent=2) + "\n")
+    report(results, args.output)
     titles = {
         "publish": "What a transaction costs (one Order insert, then the event)",
         "relay": f"Relay throughput (one relay, batches of {args.batch_size})",
         "kafka": f"Kafka transport throughput (batches of {args.batch_size})",
         "latency": f"COMMIT to effect (a Celery worker; steady: {args.rate:g} commits/s)",
     }
-    for name, title in titles.items():
-        if name in results:
-            print(table(f"{title} [{connection.vendor}]", results[name]))
+    tables(titles, results, vendor)
     if args.charts and "relay" in results:
         print(f"\nchart: {relay_chart(results['relay'], Path(args.charts))}")
     return 0

@@ -299,6 +299,20 @@ def tables(results: dict[str, Any]) -> str:
                 f" {_ratio(r.get('cpu_ratio_to_effect_alone'))} |"
             )
         lines.append("")
+        actor_rows = [r for r in consumer["rows"] if "ratio_to_actor_alone" in r]
+        if actor_rows:
+            lines += [
+                "Dramatiq: `idempotent_actor` against the actor alone, in the same rounds:",
+                "",
+                "| row | events/s vs actor alone | CPU vs actor alone |",
+                "|---|---:|---:|",
+            ]
+            lines += [
+                f"| {r['row']} | {_ratio(r.get('ratio_to_actor_alone'))} |"
+                f" {_ratio(r.get('cpu_ratio_to_actor_alone'))} |"
+                for r in actor_rows
+            ]
+            lines.append("")
     purge = results.get("purge")
     if purge and all(isinstance(purge.get(k), dict) for k in ("delete", "drop")):
         lines += [

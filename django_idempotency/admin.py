@@ -53,6 +53,13 @@ from django_idempotency.models import (
     OutboxEntry,
     ProcessedEvent,
 )
+from django_idempotency.pretty import pretty_json
+from django_idempotency.protection.admin import (
+    ProtectedFlowRunAdmin,
+    ProtectedOutboxAdmin,
+    ProtectedRecordAdmin,
+    shown_response,
+)
 
 if TYPE_CHECKING:
     _ModelAdmin = admin.ModelAdmin[Any]
@@ -72,6 +79,9 @@ MAX_FILTER_CHOICES = 30
 
 PREVIEW_CHARS = 20_000
 """The longest text or JSON body the detail page shows before truncating."""
+
+PREVIEW_DEPTH = 20
+"""How deep a JSON body is shown; arrays and objects nested deeper are shown as ``[…]``."""
 
 BINARY_PREVIEW_BYTES = 512
 """How many bytes of a binary body the detail page shows as a hex dump."""
@@ -132,18 +142,16 @@ def _truncate(text: str) -> tuple[str, bool]:
     return text[:PREVIEW_CHARS], True
 
 
-def _pretty_json(text: str) -> str | None:
-    """``text`` pretty-printed, or None when it cannot be, and is then shown as text.
+def _pretty_json(text: str) -> tuple[str, bool] | None:
+    """The start of ``text`` pretty-printed (at most :data:`PREVIEW_CHARS` characters, deeper
+    than :data:`PREVIEW_DEPTH` elided) and whether it was cut, or None when it is not JSON (or
+    holds a lone surrogate, which no page can encode), and is then shown as text.
 
-    Valid JSON can still fail here: 100,000 nested ``[`` exceed the recursion limit, and a lone
-    surrogate (``"\\ud800"``) parses to a string that no page can encode as UTF-8.
+    Pretty-printing the whole document before cutting it cost 17 s and 912 MB for a 1 MB
+    body of deeply nested arrays; :func:`~django_idempotency.pretty.pretty_json` writes only
+    what is shown.
     """
-    try:
-        pretty = json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-        pretty.encode("utf-8")
-    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
-        return None
-    return pretty
+    return pretty_json(text, PREVIEW_CHARS, PREVIEW_DEPTH)
 
 
 def preview_body(body: bytes | memoryview | None, content_type: str = "") -> BodyPreview:
@@ -167,7 +175,7 @@ def preview_body(body: bytes | memoryview | None, content_type: str = "") -> Bod
         if "json" in media_type or stripped[:1] in ("{", "["):
             pretty = _pretty_json(text)
             if pretty is not None:
-                shown, truncated = _truncate(pretty)
+                shown, truncated = pretty
                 return BodyPreview("json", shown, len(data), truncated)
         shown, truncated = _truncate(text)
         return BodyPreview("text", shown, len(data), truncated)
@@ -351,7 +359,8 @@ class ParkedFilter(admin.SimpleListFilter):
 
 
 class _ListWithoutBodies(ChangeList):
-    """The record list never loads stored bodies or headers (up to MAX_RESPONSE_BYTES each)."""
+    """The record list never loads stored bodies (up to MAX_RESPONSE_BYTES each). It loads the
+    headers, a few hundred bytes, for the encryption column (a sealed record's are its marker)."""
 
     def get_queryset(
         self, request: HttpRequest, exclude_parameters: list[str | None] | None = None
@@ -359,7 +368,7 @@ class _ListWithoutBodies(ChangeList):
         return (
             super()
             .get_queryset(request, exclude_parameters)
-            .defer("response_body", "response_headers", "fingerprint", "token")
+            .defer("response_body", "fingerprint", "token")
         )
 
 
@@ -511,17 +520,19 @@ class PurgeExpiredMixin(ReadOnlyLogAdmin):
 
 
 @admin.register(IdempotencyRecord)
-class IdempotencyRecordAdmin(PurgeExpiredMixin):
+class IdempotencyRecordAdmin(ProtectedRecordAdmin, PurgeExpiredMixin):
     list_display = (
         "key",
         "owner_scope",
         "request_line",
         "state",
         "response_status",
+        "encryption_column",
         "created_at",
         "expires_at",
         "expired",
     )
+    actions = ["purge_expired", "erase_owners"]
     list_filter = (
         "state",
         StatusClassFilter,
@@ -534,7 +545,14 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
     date_hierarchy = "created_at"
     search_fields = ("key", "owner")
     search_help_text = _("An exact idempotency key or owner scope.")
-    readonly_fields = ("owner_scope", "request_line", "expired", "stored_headers", "stored_body")
+    readonly_fields = (
+        "owner_scope",
+        "request_line",
+        "expired",
+        "encryption",
+        "stored_headers",
+        "stored_body",
+    )
     fieldsets = (
         (_("Request"), {"fields": ("owner_scope", "key", "request_line", "fingerprint")}),
         (
@@ -553,7 +571,7 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
         ),
         (
             _("Stored response"),
-            {"fields": ("response_status", "stored_headers", "stored_body")},
+            {"fields": ("response_status", "encryption", "stored_headers", "stored_body")},
         ),
     )
 
@@ -571,14 +589,16 @@ class IdempotencyRecordAdmin(PurgeExpiredMixin):
 
     @admin.display(description=_("response headers"))
     def stored_headers(self, obj: IdempotencyRecord) -> SafeString:
+        """Decrypted when the record is encrypted (see ``encryption``)."""
         return render_to_string(
             "django_idempotency/admin/stored_headers.html",
-            {"headers": header_pairs(obj.response_headers)},
+            {"headers": header_pairs(shown_response(obj).headers)},
         )
 
     @admin.display(description=_("response body"))
     def stored_body(self, obj: IdempotencyRecord) -> SafeString:
-        preview = preview_body(obj.response_body, _content_type(obj.response_headers))
+        shown = shown_response(obj)
+        preview = preview_body(shown.body, _content_type(shown.headers))
         return render_to_string(
             "django_idempotency/admin/stored_body.html",
             {
@@ -671,7 +691,7 @@ class EventDeliveryAdmin(LastErrorColumns, PurgeExpiredMixin):
 
 
 @admin.register(OutboxEntry)
-class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
+class OutboxEntryAdmin(ProtectedOutboxAdmin, LastErrorColumns, PurgeExpiredMixin):
     """Outbox messages: pending (with their lag), sent, and parked ones to requeue."""
 
     list_display = (
@@ -683,6 +703,7 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
         "attempts",
         "lag",
         "created_at",
+        "due_at",
         "available_at",
         "short_error",
     )
@@ -697,7 +718,7 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
     ordering = ("-id",)
     search_fields = ("event_id", "ordering_key")
     search_help_text = _("An exact event id or ordering key.")
-    readonly_fields = ("lag", "expired", "error_text")
+    readonly_fields = ("lag", "expired", "stored_payload", "error_text", "call")
     fields = (
         "event_id",
         "destination",
@@ -706,13 +727,15 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
         "state",
         "attempts",
         "lag",
+        "due_at",
         "available_at",
         "locked_until",
         "created_at",
         "sent_at",
         "expires_at",
         "expired",
-        "payload",
+        "call",
+        "stored_payload",
         "headers",
         "error_text",
     )
@@ -720,12 +743,40 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
 
     @admin.display(description=_("lag"))
     def lag(self, obj: OutboxEntry) -> str:
-        """Pending or parked: how long it has waited. Sent: how long it took. Read from the
-        log: nothing this table knows (the connector's own lag is the figure)."""
+        """Pending or parked: how long it has waited. Sent: how long it took. Both counted from
+        when it was due, for a delayed message. Read from the log: nothing this table knows
+        (the connector's own lag is the figure)."""
         if obj.state == OutboxEntry.State.EXTERNAL:
             return "-"
+        if obj.available_at is not None and obj.available_at.year == 9999:  # unscheduled
+            return str(_("until the commit starts its countdown"))
         end = obj.sent_at if obj.sent_at is not None else timezone.now()
-        return f"{max((end - obj.created_at).total_seconds(), 0.0):.1f} s"
+        start = obj.created_at
+        if obj.due_at is not None and obj.due_at > start:
+            if obj.sent_at is None and end < obj.due_at:
+                left = (obj.due_at - end).total_seconds()
+                return str(_("due in %(seconds).1f s")) % {"seconds": left}
+            if obj.sent_at is None or obj.sent_at > obj.due_at:
+                start = obj.due_at  # held until due: the wait after it is the lag
+        return f"{max((end - start).total_seconds(), 0.0):.1f} s"
+
+    @admin.display(description=_("call"))
+    def call(self, obj: OutboxEntry) -> str:
+        """A Celery message's call as its task receives it (kombu's types decoded): the
+        ``payload`` below holds it as stored."""
+        payload = obj.payload
+        if not isinstance(payload, dict) or not {"args", "kwargs"} <= set(payload):
+            return "-"
+        try:
+            from django_idempotency.outbox.celery_calls import decode
+
+            args, kwargs = decode(payload["args"]), decode(payload["kwargs"])
+        except Exception:  # noqa: BLE001 - no kombu, or a value it cannot decode: shown as stored
+            return "-"
+        shown = [repr(value) for value in args]
+        shown += [f"{name}={value!r}" for name, value in dict(kwargs).items()]
+        text = f"{obj.destination}({', '.join(shown)})"
+        return text if len(text) <= 2000 else text[:2000] + "..."
 
     @admin.display(boolean=True, description=_("expired"))
     def expired(self, obj: Any) -> bool:
@@ -756,12 +807,12 @@ class OutboxEntryAdmin(LastErrorColumns, PurgeExpiredMixin):
 
 
 @admin.register(FlowRun)
-class FlowRunAdmin(ReadOnlyLogAdmin):
+class FlowRunAdmin(ProtectedFlowRunAdmin, ReadOnlyLogAdmin):
     """Phased requests (``@idempotent(phases=True)``): where each one stopped, and why.
 
     Read-only, and rows cannot be deleted here: a retry or the completer resumes a run from its
     recovery point, and a deleted run would make the next retry start the flow again from its
-    first phase. Runs go with their record when the purge deletes it.
+    first phase. Runs go with their record when the purge or a delete removes it.
     """
 
     list_display = (
@@ -779,6 +830,23 @@ class FlowRunAdmin(ReadOnlyLogAdmin):
     ordering = ("-id",)
     search_fields = ("flow",)
     search_help_text = _("An exact flow name, module:qualname.")
+    # The stored request and results, decrypted when they are encrypted, instead of the raw
+    # columns.
+    readonly_fields = ("stored_request", "stored_results")
+    fields = (
+        "record",
+        "flow",
+        "fingerprint",
+        "state",
+        "recovery_point",
+        "started",
+        "attempts",
+        "last_error",
+        "created_at",
+        "updated_at",
+        "stored_request",
+        "stored_results",
+    )
 
     def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False

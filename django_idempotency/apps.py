@@ -10,4 +10,5 @@ class DjangoIdempotencyConfig(AppConfig):
     def ready(self) -> None:
         # Importing the check modules registers their system checks.
         import django_idempotency.checks
-        import django_idempotency.http.checks  # noqa: F401
+        import django_idempotency.http.checks
+        import django_idempotency.protection.checks  # noqa: F401

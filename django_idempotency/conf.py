@@ -20,7 +20,10 @@ docs/settings.md is tested against over several files.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -242,6 +245,67 @@ def _type_base(name: str, value: Any) -> str:
     return value
 
 
+ENCRYPTION_KEYS_ENV = "IDEMPOTENCY_ENCRYPTION_KEYS"
+"""The environment variable ``ENCRYPTION_KEYS`` is read from when the setting is not given."""
+
+ENCRYPTION_KEY_BYTES = 32
+"""The length of an encryption key: AES-256-GCM's."""
+
+_BASE64 = re.compile(r"^[A-Za-z0-9_+/-]+={0,2}$")
+
+
+def _encryption_keys(name: str, value: Any) -> tuple[bytes, ...]:
+    """Encryption keys, newest first: 32 bytes each, written in base64 (Fernet's key format,
+    ``Fernet.generate_key()``). A list, or one string of keys separated by commas (what an
+    environment variable holds). None (the default) reads ``IDEMPOTENCY_ENCRYPTION_KEYS``;
+    empty: no encryption. No message ever shows a key."""
+    where = f"{SETTING_NAME}[{name!r}]"
+    if value is None:
+        value = os.environ.get(ENCRYPTION_KEYS_ENV, "")
+        where = f"The environment variable {ENCRYPTION_KEYS_ENV}"
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    if isinstance(value, (dict, set, frozenset)) or not isinstance(value, Iterable):
+        raise ImproperlyConfigured(
+            f"{where} must be a list of base64 keys (newest first), or one string of them "
+            f"separated by commas, not a {type(value).__name__}."
+        )
+    keys: list[bytes] = []
+    for index, item in enumerate(value):
+        text = item.decode("ascii", "replace") if isinstance(item, bytes) else item
+        if not isinstance(text, str):
+            raise ImproperlyConfigured(
+                f"{where}: key {index} is a {type(item).__name__}, not a base64 string."
+            )
+        text = text.strip()
+        try:
+            if not _BASE64.match(text):
+                raise ValueError
+            raw = base64.urlsafe_b64decode(
+                text.replace("+", "-").replace("/", "_") + "=" * (-len(text) % 4)
+            )
+        except (ValueError, binascii.Error):
+            raise ImproperlyConfigured(
+                f"{where}: key {index} is not base64 ({len(text)} characters). Generate a key "
+                "with: python manage.py idempotency_rotate_keys --generate-key"
+            ) from None
+        if len(raw) != ENCRYPTION_KEY_BYTES:
+            shorter = "shorter than" if len(raw) < ENCRYPTION_KEY_BYTES else "longer than"
+            raise ImproperlyConfigured(
+                f"{where}: key {index} is {len(raw)} bytes, {shorter} the "
+                f"{ENCRYPTION_KEY_BYTES} bytes (44 base64 characters) AES-256-GCM needs. "
+                "Generate a key with: python manage.py idempotency_rotate_keys --generate-key"
+            )
+        if raw in keys:
+            raise ImproperlyConfigured(
+                f"{where}: key {index} is listed twice (also as key {keys.index(raw)})."
+            )
+        keys.append(raw)
+    return tuple(keys)
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -337,6 +401,18 @@ OPTIONS: dict[str, Option] = {
     ),
     "OUTBOX_NOTIFY": Option(
         True, _boolean, "On PostgreSQL, wake the relay with NOTIFY when a message commits."
+    ),
+    # --- Data protection ---
+    "ENCRYPTION_KEYS": Option(
+        None,
+        _encryption_keys,
+        "Base64 AES-256 keys, newest first, that encrypt stored responses and phased requests "
+        "(None: the environment variable IDEMPOTENCY_ENCRYPTION_KEYS; empty: no encryption).",
+    ),
+    "OUTBOX_ENCRYPT": Option(
+        False,
+        _boolean,
+        "Encrypt outbox payloads with ENCRYPTION_KEYS too; the relay decrypts before it sends.",
     ),
     # --- Operations ---
     "TELEMETRY": Option(
@@ -489,6 +565,14 @@ class IdempotencySettings:
     @property
     def OUTBOX_NOTIFY(self) -> bool:
         return self.value("OUTBOX_NOTIFY")  # type: ignore[no-any-return]
+
+    @property
+    def ENCRYPTION_KEYS(self) -> tuple[bytes, ...]:
+        return self.value("ENCRYPTION_KEYS")  # type: ignore[no-any-return]
+
+    @property
+    def OUTBOX_ENCRYPT(self) -> bool:
+        return self.value("OUTBOX_ENCRYPT")  # type: ignore[no-any-return]
 
     @property
     def TELEMETRY(self) -> bool:

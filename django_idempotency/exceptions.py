@@ -101,6 +101,25 @@ class RequestInProgress(ProblemError):
         return {"Retry-After": str(self.retry_after)}
 
 
+class DatabaseUnavailable(ProblemError):
+    """The database could not be reached (or, on MariaDB, stayed busy) when the key was claimed.
+
+    503 with ``Retry-After``: nothing ran and nothing was recorded, so a retry with the same key
+    is safe and, once the database answers again, runs the request or replays its answer.
+    """
+
+    status = 503
+    slug = "database-unavailable"
+    title = "The database is unavailable"
+
+    def __init__(self, detail: str, *, retry_after: int, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
 class ResponseNotStored(ProblemError):
     """The first request ran, but its response could not be stored for replay.
 
@@ -111,6 +130,29 @@ class ResponseNotStored(ProblemError):
     status = 422
     slug = "response-not-stored"
     title = "The request was already processed; its response was not stored"
+
+
+class ResponseUndecryptable(ProblemError):
+    """The first request ran and its response was stored encrypted, but no key in
+    ``ENCRYPTION_KEYS`` opens it (its key was removed): it cannot be replayed, and the view does
+    not run again. One ``ERROR`` line names the record and the key id.
+
+    422, as :class:`ResponseNotStored`: the effect is done and no retry can change the answer.
+    """
+
+    status = 422
+    slug = "response-undecryptable"
+    title = "The request was already processed; its stored response cannot be decrypted"
+
+
+class ResponseErased(ProblemError):
+    """The first request ran, and its stored response was erased since (an erasure request,
+    ``idempotency_erase``). The key stays taken until the record expires: the view does not run
+    again."""
+
+    status = 410
+    slug = "response-erased"
+    title = "The request was already processed; its stored response was erased"
 
 
 class StaleClaim(IdempotencyError):

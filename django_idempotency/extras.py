@@ -20,9 +20,12 @@ EXTRAS = {
     "redis": "Celery with its Redis transport",
     "kafka": "confluent-kafka",
     "drf": "Django REST framework",
+    "ninja": "django-ninja",
+    "dramatiq": "Dramatiq",
     "tasks": "the django-tasks backport of django.tasks (Django 5.2 only)",
     "postgres": "psycopg 3",
     "mysql": "mysqlclient",
+    "crypto": "cryptography",
 }
 
 

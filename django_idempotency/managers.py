@@ -36,10 +36,10 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 from django.db import NotSupportedError, connections, models, transaction
-from django.db.models import Q
+from django.db.models import Exists, OuterRef, Q
 
 from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import MAX_BATCH_SIZE, conf
@@ -51,6 +51,7 @@ __all__ = [
     "DatabaseNow",
     "EventDeliveryQuerySet",
     "ExpiringQuerySet",
+    "FlowRunQuerySet",
     "IdempotencyRecordQuerySet",
     "ProcessedEventQuerySet",
     "PurgeResult",
@@ -120,6 +121,9 @@ def _max_seconds(value: float | None) -> float:
 class ExpiringQuerySet(models.QuerySet[_M]):
     """Queries shared by the tables, which all expire on ``expires_at``."""
 
+    #: The order a purge batch selects its rows in (an indexed column).
+    purge_order: ClassVar[str] = "expires_at"
+
     def _alias(self) -> str:
         # Records live where the core writes them (IDEMPOTENCY["DATABASE"]) unless the caller
         # picked a database with .using().
@@ -187,19 +191,22 @@ class ExpiringQuerySet(models.QuerySet[_M]):
         # Without row locks (SQLite) the select runs on its own and the DELETE is the whole
         # transaction: a read that upgrades to a write could fail with "database is locked".
         with transaction.atomic(using=alias) if locking else nullcontext():
-            batch = self.filter(condition).order_by("expires_at")
+            batch = self.filter(condition).order_by(self.purge_order)
             if locking:
                 # Rows a live request has locked are skipped, not waited for.
                 batch = batch.select_for_update(skip_locked=True)
             pks = list(batch.values_list("pk", flat=True)[:size])
             if not pks:
                 return 0, 0
-            # The condition is checked again by the DELETE: a row revived since the select
-            # (a new claim on an expired key, a lease taken over) is kept.
-            removed, _ = (
-                self.model._base_manager.using(alias).filter(condition, pk__in=pks).delete()
-            )
+            removed = self._delete_rows(alias, condition, pks)
         return len(pks), removed
+
+    def _delete_rows(self, alias: str, condition: Q, pks: list[Any]) -> int:
+        """Delete the selected rows that still match ``condition``; return how many."""
+        # The condition is checked again by the DELETE: a row revived since the select
+        # (a new claim on an expired key, a lease taken over) is kept.
+        removed, _ = self.model._base_manager.using(alias).filter(condition, pk__in=pks).delete()
+        return removed
 
     def stats(self) -> TableStats:
         """Size, estimated rows, purge backlog and oldest expiry of this table."""
@@ -261,6 +268,25 @@ class IdempotencyRecordQuerySet(ExpiringQuerySet[_M]):
         # a retry run the view a second time while the first holder is still working.
         return super().expired_condition() & ~self.live_lease_condition()
 
+    def _delete_rows(self, alias: str, condition: Q, pks: list[Any]) -> int:
+        """Delete the selected records that still match ``condition``, and their flow runs.
+
+        A :class:`~django_idempotency.models.FlowRun` holds its request's raw body: it is
+        deleted in the batch's transaction, so no body outlives its record. The runs go
+        first: on SQLite that write takes the database's write lock before the records are
+        read again, and on PostgreSQL and MariaDB the batch's rows are already locked, so the
+        records deleted are exactly those whose runs were. Deleting the records through the
+        ORM cascades to their runs as well (none are left); ``only("pk")`` keeps that delete
+        from loading the stored responses.
+        """
+        # FlowRun, through the reverse relation: models imports this module.
+        runs = cast(type[models.Model], self.model._meta.get_field("flow_run").related_model)
+        records = self.model._base_manager.using(alias).filter(condition, pk__in=pks)
+        with transaction.atomic(using=alias, savepoint=False):
+            runs._base_manager.using(alias).filter(record__in=records.values("pk")).delete()
+            _, per_model = records.only("pk").delete()
+        return per_model.get(self.model._meta.label, 0)
+
     def _extra_counts(self) -> dict[str, int]:
         # Both read the (state, locked_until) index, at most STATS_COUNT_LIMIT entries each: a
         # plain count scanned the whole table (ten million rows, seconds).
@@ -269,6 +295,28 @@ class IdempotencyRecordQuerySet(ExpiringQuerySet[_M]):
             "in_progress": bounded_count(queryset.filter(state="in_progress")),
             "live_leases": bounded_count(queryset.filter(self.live_lease_condition())),
         }
+
+
+class FlowRunQuerySet(ExpiringQuerySet[_M]):
+    """A :class:`~django_idempotency.models.FlowRun` expires with its record: the record's purge
+    and every ORM delete take it along. What is left is a run whose record is already gone (a
+    record deleted in raw SQL, or by a version whose purge kept the runs), holding a request
+    body: an orphan. Here "expired" means orphaned, so that ``delete_expired`` (and the purge,
+    :func:`~django_idempotency.retention.purge.purge_all`, which calls it right after the
+    records') deletes orphans in the same bounded batches, in primary-key order, re-checking
+    in the ``DELETE`` that the record is still gone. The completer's ``delete_orphans()`` is
+    one such batch."""
+
+    purge_order = "pk"
+
+    def expired_condition(self) -> Q:
+        # IdempotencyRecord, through the relation: models imports this module.
+        records = cast(type[models.Model], self.model._meta.get_field("record").related_model)
+        return Q(~Exists(records._base_manager.filter(pk=OuterRef("record_id"))))
+
+    def orphans(self) -> FlowRunQuerySet[_M]:
+        """The runs whose record is gone."""
+        return self.filter(self.expired_condition())
 
 
 class ProcessedEventQuerySet(ExpiringQuerySet[_M]):

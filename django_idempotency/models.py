@@ -14,13 +14,16 @@
 from __future__ import annotations
 
 import uuid
+from datetime import UTC, datetime
 
+from django.conf import settings
 from django.db import models
 from django.utils import timezone
 from django.utils.translation import gettext_lazy as _
 
 from django_idempotency.managers import (
     EventDeliveryQuerySet,
+    FlowRunQuerySet,
     IdempotencyRecordQuerySet,
     OutboxEntryQuerySet,
     ProcessedEventQuerySet,
@@ -66,6 +69,11 @@ class IdempotencyRecord(models.Model):
     class Meta:
         verbose_name = _("idempotency record")
         verbose_name_plural = _("idempotency records")
+        permissions = [
+            # The admin's erasure action (django_idempotency.protection.admin): an erasure
+            # request, apart from deleting (which lets a retry run the view again).
+            ("erase_idempotencyrecord", _("Can erase the stored data of an owner's records")),
+        ]
         constraints = [
             models.UniqueConstraint(
                 fields=["key", "owner"], name="idempotency_record_key_owner_uniq"
@@ -93,8 +101,15 @@ class FlowRun(models.Model):
 
     record = models.OneToOneField(
         IdempotencyRecord,
-        on_delete=models.DO_NOTHING,
-        db_constraint=False,  # the purge deletes records in raw batches; orphans are cleaned up
+        # A run holds the raw request body (passwords, card numbers): it goes with its record,
+        # whether the record is deleted by the purge (which deletes the runs of each batch in
+        # the batch's transaction), the admin, Model.delete or QuerySet.delete (this cascade).
+        on_delete=models.CASCADE,
+        # No constraint in the database: a record claimed in the core's raw SQL and a run are
+        # written in separate transactions. Runs of records deleted in raw SQL, or before the
+        # cascade existed, are orphans: the purge deletes them in its batches (FlowRunQuerySet),
+        # and so does the completer's sweep (delete_orphans).
+        db_constraint=False,
         related_name="flow_run",
         verbose_name=_("idempotency record"),
     )
@@ -129,6 +144,8 @@ class FlowRun(models.Model):
     last_error = models.TextField(_("last error"), blank=True, default="")
     created_at = models.DateTimeField(_("created"), default=timezone.now)
     updated_at = models.DateTimeField(_("updated"), default=timezone.now)
+
+    objects = FlowRunQuerySet.as_manager()
 
     class Meta:
         verbose_name = _("flow run")
@@ -209,6 +226,18 @@ failures), so the claim's per-candidate look at them, through the partial index
 stays cheap however many rows are pending. Keep the two in step."""
 
 
+OUTBOX_UNSCHEDULED = datetime(9999, 1, 1, tzinfo=UTC)
+"""The ``available_at`` of a message with a countdown whose commit has not been seen yet: no
+relay claims it, and it holds back the later messages of its key, until the producer's
+``on_commit`` hook (or, if the producer died first, a relay) sets its due time from the commit
+(:mod:`django_idempotency.outbox.schedule`). Read it through :func:`outbox_unscheduled`."""
+
+
+def outbox_unscheduled() -> datetime:
+    """:data:`OUTBOX_UNSCHEDULED`, naive under ``USE_TZ = False`` (as Django's datetimes are)."""
+    return OUTBOX_UNSCHEDULED if settings.USE_TZ else OUTBOX_UNSCHEDULED.replace(tzinfo=None)
+
+
 class OutboxEntry(models.Model):
     """A message written in the producer's transaction and sent by the relay once it commits."""
 
@@ -247,13 +276,26 @@ class OutboxEntry(models.Model):
         _("next attempt"),
         null=True,
         blank=True,
-        help_text=_("Not sent before this time (backoff after a failure); empty: at once."),
+        help_text=_(
+            "Not sent before this time (a backoff after a failure, or a delayed message held "
+            "until it is due); empty: at once."
+        ),
     )
     locked_until = models.DateTimeField(
         _("claimed until"),
         null=True,
         blank=True,
         help_text=_("A relay is sending it; after this time another relay may take it over."),
+    )
+    due_at = models.DateTimeField(
+        _("due"),
+        null=True,
+        blank=True,
+        help_text=_(
+            "Not delivered before this time: the call's eta, or its countdown counted from the "
+            "commit. Celery gets it as the task's eta; other transports' messages are held "
+            "until then. Empty: at once."
+        ),
     )
     last_error = models.TextField(_("last error"), blank=True, default="")
     created_at = models.DateTimeField(_("created"), default=timezone.now)

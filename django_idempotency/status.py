@@ -4,7 +4,9 @@ Each figure is read from an index, never from a scan, so the command answers in 
 second on ten million records and a million pending outbox messages:
 
 * records in progress and live leases: the ``(state, locked_until)`` index;
-* pending and parked outbox messages, and the oldest pending one: the ``(state, id)`` index;
+* pending and parked outbox messages, and the oldest pending one that is due: the
+  ``(state, id)`` index (a delayed message that is not due yet is skipped: the walk reads the
+  held rows before the oldest due one);
 * parked event deliveries: the ``parked_at`` index;
 * abandoned flow runs: the ``(state, updated_at)`` index, joined to their records by key.
 
@@ -19,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from django_idempotency.clock import DatabaseNow
@@ -49,7 +51,8 @@ class Status:
     outbox_pending: int
     outbox_oldest_pending_at: datetime | None
     outbox_oldest_pending_seconds: float | None
-    """Age of the oldest pending message (the relay's lag); None when nothing is pending."""
+    """Age of the oldest pending message that is due (the relay's lag), counted from when it
+    became due for a delayed one; None when nothing due is pending."""
     outbox_parked: int
     deliveries_parked: int
     flows_abandoned: int
@@ -85,13 +88,16 @@ def collect(using: str | None = None, limit: int = STATS_COUNT_LIMIT) -> Status:
         ),
     }
     figures = {name: bounded_count(queryset, limit) for name, queryset in counts.items()}
-    oldest = (
+    now = timezone.now()
+    first = (
         outbox.filter(state=OutboxEntry.State.PENDING)
+        .filter(Q(due_at__isnull=True) | Q(due_at__lte=now))
         .order_by("id")
-        .values_list("created_at", flat=True)
+        .values_list("created_at", "due_at")
         .first()
     )
-    age = None if oldest is None else max((timezone.now() - oldest).total_seconds(), 0.0)
+    oldest = None if first is None else max(moment for moment in first if moment is not None)
+    age = None if oldest is None else max((now - oldest).total_seconds(), 0.0)
     return Status(
         database=alias,
         outbox_oldest_pending_at=oldest,

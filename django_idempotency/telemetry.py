@@ -7,7 +7,10 @@ Everything else calls the small functions below, which are no-ops unless both ho
 * ``IDEMPOTENCY["TELEMETRY"]`` is True (the default).
 
 Without the package nothing is imported and nothing changes: the first call tries the import
-once, and a missing package (or the setting off) makes every later call return at once. With
+once, and a missing package (or the setting off) makes every later call return at once. An API
+that is installed but fails to load (``OTEL_PROPAGATORS`` naming a propagator that is not
+installed raises ``ValueError`` on import) is treated as missing, with one WARNING that names
+the cause: telemetry never breaks the caller. With
 the API but no SDK configured, OpenTelemetry's own no-op providers answer.
 
 Metric attributes are low-cardinality only: an outcome, a consumer, a transport or a flow name
@@ -36,9 +39,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from contextvars import ContextVar
 from importlib.metadata import PackageNotFoundError, version
@@ -96,7 +100,7 @@ FLOW_ABANDONED = "idempotency.flow.abandoned"
 COUNTERS: dict[str, tuple[str, str]] = {
     HTTP_REQUESTS: ("{request}", "Requests with an idempotency key, by outcome."),
     CONSUMER_DELIVERIES: ("{delivery}", "Deliveries to an idempotent consumer, by outcome."),
-    OUTBOX_SENDS: ("{message}", "Outbox messages the relay tried to send, by outcome."),
+    OUTBOX_SENDS: ("{message}", "Outbox messages the relay claimed, by outcome of the send."),
     KAFKA_MESSAGES: ("{message}", "Messages the Kafka runner handled, by outcome."),
     KAFKA_DEAD_LETTERED: ("{message}", "Messages the Kafka runner sent to a dead-letter topic."),
     KAFKA_COMMIT_FAILURES: ("{commit}", "Offset commits of the Kafka runner that failed."),
@@ -124,6 +128,9 @@ HTTP_OUTCOMES = {
     "not_replayable": "not_stored",
     "malformed_key": "malformed_key",
     "missing_key": "missing_key",
+    "unavailable": "unavailable",
+    "erased": "erased",
+    "undecryptable": "undecryptable",
 }
 
 
@@ -138,6 +145,9 @@ class _State:
         self.observed: set[str] = set()  # the databases whose gauges are reported
         self.figures: dict[str, tuple[float, Any]] = {}  # their latest status, and when
         self.gauge_meter: Any = None  # the meter the gauges are registered with
+        self.unreadable: set[str] = set()  # the databases whose figures failed, said once
+        self.warned: set[str] = set()  # the kinds of failure said at WARNING already
+        self.warned_lock = threading.Lock()
 
 
 _state = _State()
@@ -201,6 +211,20 @@ def _api() -> _Api | None:
                     _state.api = _Api()
                 except ImportError:
                     _state.api = None
+                except Exception as error:  # telemetry never breaks the caller
+                    # The API is installed but will not load: OTEL_PROPAGATORS naming a
+                    # propagator that is not installed makes ``opentelemetry.propagate`` raise
+                    # ValueError on import. Off for this process, said once (not retried).
+                    _state.api = None
+                    logger.warning(
+                        "telemetry: OpenTelemetry is installed but cannot be loaded (%s: %s); "
+                        "metrics and spans are off in this process. Fix the OpenTelemetry "
+                        "configuration (for example the OTEL_PROPAGATORS environment "
+                        "variable) and restart.",
+                        type(error).__name__,
+                        error,
+                    )
+                    logger.debug("telemetry: loading OpenTelemetry failed", exc_info=True)
                 _state.loaded = True
     return cast("_Api | None", _state.api)
 
@@ -234,8 +258,26 @@ _NULL = nullcontext()
 
 
 def _failed(what: str) -> None:
-    """Log a failure of OpenTelemetry (API, SDK, a span processor, an exporter) and go on."""
-    logger.warning("telemetry: %s failed; ignored", what, exc_info=True)
+    """Log a failure of OpenTelemetry (API, SDK, a span processor, an exporter, a propagator)
+    and go on: once per kind of failure (``what``) and process, a WARNING that names the cause,
+    with its traceback; each later one at DEBUG. A broken SDK fails the same way at every call
+    (every request, every message), and a WARNING with a traceback each time drowned the log."""
+    error = sys.exc_info()[1]
+    with _state.warned_lock:
+        first = what not in _state.warned
+        _state.warned.add(what)
+    if not first:
+        logger.debug("telemetry: %s failed again; ignored", what, exc_info=True)
+        return
+    said = " ".join(str(error).split())[:300] if error is not None else ""
+    logger.warning(
+        "telemetry: %s failed (%s: %s); ignored, and every later failure of this kind is "
+        "logged at DEBUG",
+        what,
+        type(error).__name__,
+        said,
+        exc_info=True,
+    )
 
 
 class _Guarded:
@@ -329,6 +371,8 @@ def configure(tracer_provider: Any = None, meter_provider: Any = None) -> None:
         _state.instruments.clear()
         _state.observed.clear()
         _state.figures.clear()
+        _state.unreadable.clear()
+        _state.warned.clear()
 
 
 def reset() -> None:
@@ -339,6 +383,8 @@ def reset() -> None:
         _state.instruments.clear()
         _state.observed.clear()
         _state.figures.clear()
+        _state.unreadable.clear()
+        _state.warned.clear()
 
 
 def _instrument(api: _Api, name: str) -> Any:
@@ -454,19 +500,26 @@ def flow_run(flow: str, outcome: str) -> None:
 
 @_quiet
 def outbox_sends(
-    rows: Sequence[Any], outcomes: Sequence[BaseException | None], max_attempts: int
+    rows: Sequence[Any],
+    outcomes: Sequence[BaseException | None],
+    max_attempts: int,
+    held: Collection[int] = (),
 ) -> None:
-    """Count a relay batch's sends by transport and outcome: sent, failed, parked.
+    """Count a relay batch's messages by transport and outcome: sent, failed, parked, held.
 
     ``rows`` are the rows the relay claimed (:class:`~django_idempotency.outbox.store.Claimed`) and
     ``outcomes`` what the transports answered for each (None: sent). A failure on a row that
-    has used its last attempt is counted as ``parked``.
+    has used its last attempt is counted as ``parked``. ``held`` are the ids of the rows held
+    back behind a failed message of their key: they were not attempted (whatever the transport
+    answered for them), so they count as ``held``, not ``failed``.
     """
     if _meter() is None:
         return
     tally: dict[tuple[str, str], int] = {}
     for row, outcome in zip(rows, outcomes, strict=True):
-        if outcome is None:
+        if row.pk in held:
+            word = "held"
+        elif outcome is None:
             word = "sent"
         elif row.attempts >= max_attempts:
             word = "parked"
@@ -819,12 +872,26 @@ def _figures(alias: str) -> Any:
         finally:
             if opened_here and threading.current_thread() is not threading.main_thread():
                 connection.close()
-    except Exception:  # logged; the gauges skip this database this time
-        logger.warning(
-            "telemetry: cannot read the figures of database %r; its gauges are not reported "
-            "this time",
-            alias,
-            exc_info=True,
-        )
+    except Exception as error:  # logged; the gauges skip this database this time
+        # One line per outage, not one per collection (every minute, or every scrape, for as
+        # long as it lasts), and one when it ends; each failure's traceback at DEBUG.
+        if alias not in _state.unreadable:
+            _state.unreadable.add(alias)
+            first = (str(error).strip().splitlines() or [""])[0]
+            logger.warning(
+                "telemetry: cannot read the figures of database %r (%s: %s); its gauges are "
+                "not reported until it can be read again",
+                alias,
+                type(error).__name__,
+                first[:300],
+            )
+        logger.debug("telemetry: reading the figures of %r failed", alias, exc_info=True)
+    else:
+        if alias in _state.unreadable:
+            _state.unreadable.discard(alias)
+            logger.warning(
+                "telemetry: the figures of database %r can be read again; its gauges are reported",
+                alias,
+            )
     _state.figures[alias] = (time.monotonic(), read)
     return read

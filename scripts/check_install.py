@@ -29,9 +29,12 @@ PROMISES = {
     "redis": ["celery", "kombu.transport.redis", "redis"],
     "kafka": ["confluent_kafka"],
     "drf": ["rest_framework"],
+    "ninja": ["ninja"],
+    "dramatiq": ["dramatiq", "dramatiq.brokers.rabbitmq", "dramatiq.brokers.redis"],
     "tasks": [],  # the backport on Django 5.2; Django 6 ships django.tasks
     "postgres": ["psycopg", "django.db.backends.postgresql.base"],
     "mysql": ["MySQLdb", "django.db.backends.mysql.base"],
+    "crypto": ["cryptography.hazmat.primitives.ciphers.aead"],
 }
 NAMES_AN_EXTRA = re.compile(r"pip install 'django-idempotency\[([a-z]+)\]'")
 

@@ -2,18 +2,31 @@
 # The loop between two edits (make test-quick): ruff, then the quick tests (no race, crash,
 # worker or browser test) of the .venv's Django and Python on SQLite and PostgreSQL, side by
 # side, each in WORKERS pytest-xdist workers (default 2; 1: one process each), in at most three
-# minutes on two cores. It installs nothing and starts no service: the
-# full suite, MariaDB, PgBouncer, the version matrix, the wheel and the docs build are
-# `make test`'s. PostgreSQL down: its pass is skipped, loudly.
+# minutes on two cores. It starts no service: the full suite, MariaDB, PgBouncer, the version
+# matrix, the wheel and the docs build are `make test`'s. PostgreSQL down: its pass is skipped,
+# loudly.
+#
+# It installs only what it lacks, once: when the .venv has no ruff, pytest, pytest-xdist or
+# psycopg (a fresh checkout, or the .venv `make demo` made with the demo extra alone), it runs
+# `scripts/bootstrap.sh dev,postgres` first and says so. Printing that command instead would
+# leave a newcomer one more step from a green run; installing every time would cost each run
+# pip's resolution. A .venv that has them (after `make test`, say) is used as it is: no pip.
 #
 #   scripts/test-quick.sh [pytest args]     e.g. scripts/test-quick.sh tests/test_outbox.py -x
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 
-if [ ! -x .venv/bin/python ]; then
-  echo "!! no .venv: run 'make test' once (or scripts/bootstrap.sh dev,postgres), then this" >&2
-  exit 1
+has_tools() {
+  [ -x .venv/bin/python ] && [ -x .venv/bin/ruff ] \
+    && .venv/bin/python -c "import pytest, pytest_django, xdist, psycopg" 2>/dev/null
+}
+if ! has_tools; then
+  echo "== the .venv lacks the test tools (ruff, pytest, pytest-xdist, psycopg): installing them"
+  echo "   once with: scripts/bootstrap.sh dev,postgres"
+  scripts/bootstrap.sh dev,postgres || { echo "!! scripts/bootstrap.sh dev,postgres failed" >&2; exit 1; }
+  has_tools || { echo "!! still no ruff/pytest/psycopg in .venv after bootstrapping" >&2; exit 1; }
+  echo "   installed in $(( $(date +%s) - started ))s"
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate

@@ -83,12 +83,13 @@ if [ -f mkdocs.yml ]; then
   NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)" || fail "docs build"
 fi
 
-step "wheel holds the package, its migrations and templates, and no tests"
+step "wheel holds the package, its migrations and templates, and no tests; release check"
 wheel_dir=$(mktemp -d)
 python -m pip wheel -q --no-deps -w "$wheel_dir" . 2> >(grep -v "is ignored: it is neither" >&2) \
   || fail "pip wheel"
 python scripts/check_wheel.py "$wheel_dir"/django_idempotency-*.whl || fail "wheel contents"
-twine check --strict "$wheel_dir"/django_idempotency-*.whl || fail "twine check"
+# The sdist beside this wheel, twine check --strict on both, the wheel with Django only.
+scripts/release-check.sh "$wheel_dir" || fail "release check (scripts/release-check.sh)"
 
 # The browser test drives Debian's chromium (never a Playwright download); install it if we can.
 if [ "${QUICK:-0}" != 1 ] && [ "$(id -u)" = 0 ] && [ ! -x /usr/bin/chromium ]; then

@@ -47,6 +47,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "rest_framework.authtoken",  # DRF token owners (tests/test_cross_principal.py)
     "django_idempotency",
     "testproject.shop",
 ]
@@ -120,9 +121,16 @@ if _default_db["ENGINE"] != "django.db.backends.sqlite3":
     if _default_db["ENGINE"] == "django.db.backends.mysql":
         _repeatable_options["isolation_level"] = "repeatable read"
     else:
-        from psycopg import IsolationLevel
+        try:
+            from psycopg import IsolationLevel
 
-        _repeatable_options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+            _repeatable_options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+        except ImportError:  # psycopg2 (tests/test_relay_psycopg2.py hides psycopg 3)
+            from psycopg2.extensions import (  # type: ignore[import-untyped]
+                ISOLATION_LEVEL_REPEATABLE_READ,
+            )
+
+            _repeatable_options["isolation_level"] = ISOLATION_LEVEL_REPEATABLE_READ
     DATABASES["repeatable_read"] = {
         **_default_db,
         "OPTIONS": _repeatable_options,
@@ -210,6 +218,9 @@ CELERY_TASK_EAGER_PROPAGATES = True
 CELERY_RESULT_BACKEND = env("CELERY_RESULT_BACKEND", default=None)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+# The serializers a worker takes (the parity proofs of tests/test_celery_call_parity.py start
+# theirs with json,pickle,yaml).
+CELERY_ACCEPT_CONTENT = env.list("CELERY_ACCEPT_CONTENT", default=["json"])
 # Purge expired idempotency records, processed events and delivery counters every 15 minutes
 # (run `celery -A testproject beat`); see docs/operations.md.
 CELERY_BEAT_SCHEDULE = {

@@ -20,6 +20,7 @@ from tests.services import BROKER_URLS, reachable
 
 if TYPE_CHECKING:
     from tests.kafka_cluster import Cluster
+    from tests.kafka_mock import MockCluster
     from tests.psp import Provider
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
@@ -102,6 +103,9 @@ def mysql_server_data(django_db_blocker: Any) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    from tests import leaks
+
+    leaks.install()
     if PGBOUNCER:
         import django
 
@@ -120,6 +124,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
     report.sections = [(title, _printable(text)) for title, text in report.sections]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield
+    from tests import leaks
+
+    leaks.stop_leftovers()  # a relay that outlived its test sends the next test's rows
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -198,6 +210,17 @@ def kafka_cluster() -> Iterator[Cluster]:
     kafka = Cluster()
     yield kafka
     kafka.close()
+
+
+@pytest.fixture(scope="session")
+def kafka_mock() -> Iterator[MockCluster]:
+    """librdkafka's mock cluster driven through its C API (tests/kafka_mock.py): its consumer
+    groups form at once, and its brokers refuse requests when a test asks."""
+    pytest.importorskip("confluent_kafka")
+    from tests.kafka_mock import mock_cluster
+
+    with mock_cluster() as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=sorted(BROKER_URLS))

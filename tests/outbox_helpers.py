@@ -15,13 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from django_idempotency.outbox.transports import CeleryTransport
+from django_idempotency.outbox.transports import CeleryTransport, OutboxMessage
+from tests import leaks
 
 REPO = Path(__file__).resolve().parent.parent
 CELERY_BACKEND = "django_idempotency.outbox.transports.CeleryTransport"
@@ -83,6 +84,7 @@ def start(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    leaks.track_process(process, command)
     return Process(process, log)
 
 
@@ -327,3 +329,26 @@ class NullTransport:
 
 
 NULL_TRANSPORTS = {"default": {"BACKEND": "tests.outbox_helpers.NullTransport"}}
+
+
+# --- In-process relays on the REPEATABLE READ alias ---------------------------------------------
+
+RR = "repeatable_read"
+"""The test database through connections at REPEATABLE READ (testproject/settings.py)."""
+
+
+class SentIdsTransport:
+    """A transport that acknowledges every message and remembers the event ids it sent; relays
+    on several threads may share it."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.lock = threading.Lock()
+
+    def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
+        with self.lock:
+            self.sent.extend(message.event_id for message in messages)
+        return [None] * len(messages)
+
+    def close(self) -> None:
+        pass

@@ -330,9 +330,8 @@ def test_record_detail_pretty_prints_json(admin_client: Client) -> None:
     ("stored", "shown"),
     [
         (b'{"name": "\\ud800"}', "{&quot;name&quot;: &quot;\\ud800&quot;}"),
-        (b"[" * 100_000 + b"]" * 100_000, "[[[[[[[["),
     ],
-    ids=["lone-surrogate", "deep-nesting"],
+    ids=["lone-surrogate"],
 )
 def test_record_detail_shows_json_it_cannot_pretty_print_as_text(
     admin_client: Client, stored: bytes, shown: str

@@ -126,6 +126,11 @@ def test_micro_benchmark_runs_every_row(tmp_path: Path) -> None:
     assert rows["floor-first"]["statements"] == 3
     table = "\n".join(microrun.micro_tables([{**result, "backend": "sqlite"}]))
     assert "| this app, first execution |" in table
+    # Encryption at rest: each encrypted row against its plaintext twin, and the same
+    # statements (encryption adds no query).
+    for encrypted, plain in micro.ENCRYPTED_OF.items():
+        assert rows[encrypted]["ratio_to_plaintext"] > 0, rows[encrypted]
+        assert rows[encrypted]["statements"] == rows[plain]["statements"]
 
 
 def test_charts_render_svg(tmp_path: Path) -> None:

@@ -203,6 +203,50 @@ def test_a_batch_of_one_kind_is_one_message_built_and_copies(
     assert [entry["headers"]["id"] for entry in entries] == [m.event_id for m in messages]
 
 
+def test_every_message_a_batch_writes_has_a_delivery_tag_of_its_own(
+    redis_client: Any, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35 item 21: kombu keeps a worker's unacknowledged Redis messages by delivery tag
+    (the ``unacked`` hash it restores when a worker dies): two messages sharing a tag are one
+    entry there, and a worker that died holding both gives one back. Two batches, each of
+    copies of one message (one kind), messages Celery builds one by one (an expiry) and another
+    kind (another priority's list): every entry written has its own tag, the copies' too."""
+    app = celery_app(URL)
+    copies = 0
+    real_copy = celery_redis.RedisBatch.copy
+
+    def counted(self: celery_redis.RedisBatch, *args: Any, **kwargs: Any) -> bool:
+        nonlocal copies
+        made = real_copy(self, *args, **kwargs)
+        copies += made
+        return made
+
+    monkeypatch.setattr(celery_redis.RedisBatch, "copy", counted)
+    transport = CeleryTransport(app=app)
+    sent = 0
+    try:
+        for _ in range(2):
+            messages = [
+                *(message(queue, n, key=f"k{n % 3}", priority=4) for n in range(12)),
+                *(message(queue, 12 + n, expires=600) for n in range(3)),
+                *(message(queue, 15 + n, key="k0") for n in range(3)),
+            ]
+            assert transport.send(messages) == [None] * len(messages)
+            sent += len(messages)
+    finally:
+        transport.close()
+
+    tags = [
+        json.loads(raw)["properties"]["delivery_tag"]
+        for key in redis_client.scan_iter(match=f"{queue}*")
+        if redis_client.type(key) == b"list"
+        for raw in redis_client.lrange(key, 0, -1)
+    ]
+    assert copies == 2 * (11 + 2)  # per batch: 11 of the first kind, 2 of the third
+    assert len(tags) == sent
+    assert len(set(tags)) == sent, sorted(tags)
+
+
 def test_messages_with_an_expiry_are_each_built_by_celery(redis_client: Any, queue: str) -> None:
     app = celery_app(URL)
     messages = [message(queue, n, expires=600) for n in range(5)]

@@ -141,6 +141,7 @@ FLAKY = [
     "drop",
     (409, {**PROBLEM, "Retry-After": "2"}, b'{"status": 409}'),
     (503, {"Content-Type": "text/html"}, b"busy"),
+    (503, {**PROBLEM, "Retry-After": "1"}, b'{"status": 503}'),  # database-unavailable
     OK,
 ]
 REUSED = [(422, PROBLEM, b'{"status": 422}'), OK]
@@ -167,9 +168,10 @@ def test_the_python_client_retries_with_one_key_and_waits_out_retry_after(
     scripted.script = list(FLAKY)
     response = client.post_idempotently(url, {"a": 1}, base=0.01, cap=0.05)
     assert response.status_code == 201
-    assert len(scripted.keys) == 4 and len(set(scripted.keys)) == 1
-    assert len(sleeps.seconds) == 3
+    assert len(scripted.keys) == 5 and len(set(scripted.keys)) == 1
+    assert len(sleeps.seconds) == 4
     assert sleeps.seconds[1] >= 2  # after the 409, its Retry-After
+    assert sleeps.seconds[3] >= 1  # after the 503 problem, its Retry-After
     assert max(sleeps.seconds[0], sleeps.seconds[2]) <= 0.05  # jittered, within the cap
 
     scripted.script, scripted.keys[:] = list(REUSED), []
@@ -183,4 +185,4 @@ def test_the_javascript_client_retries_with_one_key(scripted: Any, tmp_path: Pat
     scripted.script = [*FLAKY, *REUSED]
     results = run_javascript(tmp_path, url, {"a": 1}, "js-key")
     assert [r[0] for r in results] == [201, 422]
-    assert scripted.keys == ["js-key"] * 5  # four attempts, then one for the 422
+    assert scripted.keys == ["js-key"] * 6  # five attempts, then one for the 422

@@ -204,6 +204,44 @@ def test_the_outbox_guide_publishes_through_a_relay_to_a_worker(
     assert (state, ledger_event) == ("sent", event_id)
 
 
+def test_the_migrating_guide_moves_delay_on_commit_to_the_outbox(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
+    """docs/migrating.md, "From delay / delay_on_commit to the outbox": its tasks and services
+    in the quickstart's project; ``delay_in_outbox`` and ``apply_in_outbox`` write outbox rows,
+    a relay sends them, a worker applies both, the late fee no earlier than its countdown after
+    the commit."""
+    require_service("redis")
+    project = build(tmp_path, quickstart_project, DOCS / "migrating.md")
+    queue = f"docs-migrating-{uuid.uuid4().hex[:8]}"
+    add_setting(project, f"CELERY_TASK_DEFAULT_QUEUE = {queue!r}")
+    env = environment()
+    calls = (
+        "import time\n"
+        "from datetime import timedelta\n"
+        "from orders.models import Order\n"
+        "from orders.services import confirm, schedule_late_fee\n"
+        "order = Order.objects.create(reference='A-1', amount_cents=1250)\n"
+        "confirm(order)\n"
+        "schedule_late_fee(order, after=timedelta(seconds=3))\n"
+        "print(time.time())\n"
+    )
+    committed = float(run([PYTHON, "manage.py", "shell", "-c", calls], project, env).split()[-1])
+    assert count(project, "django_idempotency_outboxentry") == 2
+    run([PYTHON, "manage.py", "idempotency_relay", "--once"], project, env)
+    with sqlite3.connect(project / "db.sqlite3") as db:
+        states = db.execute("SELECT state FROM django_idempotency_outboxentry").fetchall()
+    assert states == [("sent",), ("sent",)]  # Celery holds the late fee: it has its eta
+    with process(celery_worker(queue), project) as worker:
+        wait_for(lambda: count(project, "orders_ledgerentry") >= 1, "the ledger entry", worker)
+        wait_for(lambda: count(project, "orders_ledgerentry") == 2, "the late fee", worker)
+        applied = time.time()
+    with sqlite3.connect(project / "db.sqlite3") as db:
+        amounts = sorted(a for (a,) in db.execute("SELECT amount_cents FROM orders_ledgerentry"))
+    assert amounts == [500, 1250]
+    assert applied >= committed + 3
+
+
 def test_the_flows_guide_answers_and_replays_the_ride(
     tmp_path: Path, quickstart_project: Path
 ) -> None:
@@ -214,6 +252,66 @@ def test_the_flows_guide_answers_and_replays_the_ride(
     assert count(project, "orders_ride") == 1
     assert count(project, "orders_receipt") == 1
     assert count(project, "django_idempotency_flowrun") == 1
+
+
+def test_the_http_guide_ninja_section_replays_the_order(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
+    """docs/http.md's django-ninja section: its files in the quickstart project, its request
+    sent twice to runserver (the answer shown, then its replay)."""
+    pytest.importorskip("ninja")
+    page = DOCS / "http.md"
+    project = build(tmp_path, quickstart_project, page)
+    text = page.read_text()
+    start = text.index("## django-ninja")
+    section = tmp_path / "ninja.md"
+    section.write_text(text[start : text.index("\n## ", start)])
+    local = exchanges(section)
+    assert len(local) == 1
+    with server(project) as port:
+        for replay in (False, True):
+            status, headers, body = send(local[0], port)
+            assert status == local[0].status, body
+            assert headers["Content-Type"] == local[0].headers["Content-Type"]
+            assert (headers.get("Idempotent-Replayed") == "true") is replay
+            assert json.loads(body) == json.loads(local[0].body)
+    assert count(project, "orders_order") == 1
+
+
+def test_the_dramatiq_guide_relays_to_a_real_worker_once(
+    tmp_path: Path, quickstart_project: Path
+) -> None:
+    """docs/dramatiq.md in the quickstart project: the relay sends the confirmed order's event
+    through DramatiqTransport, and ``dramatiq orders.actors`` applies it once."""
+    pytest.importorskip("dramatiq")
+    require_service("redis")
+    page = DOCS / "dramatiq.md"
+    project = build(tmp_path, quickstart_project, page)
+    queue = f"docs-dramatiq-{uuid.uuid4().hex[:8]}"  # a queue of its own on the shared Redis
+    for name in ("orders/actors.py", "orders/dramatiq_services.py"):
+        path = project / name
+        path.write_text(path.read_text().replace('"billing"', repr(queue)))
+    migrate(project)
+    env = environment()
+    confirm = (
+        "from orders.models import Order\n"
+        "from orders.dramatiq_services import confirm\n"
+        "print(confirm(Order.objects.create(reference='D-1', amount_cents=700)))\n"
+    )
+    run([PYTHON, "manage.py", "shell", "-c", confirm], project, env)
+    run([PYTHON, "manage.py", "idempotency_relay", "--once"], project, env)
+    with sqlite3.connect(project / "db.sqlite3") as db:
+        state, event_id = db.execute(
+            "SELECT state, event_id FROM django_idempotency_outboxentry"
+        ).fetchone()
+    assert state == "sent"
+    worker = [PYTHON, "-m", "dramatiq", "orders.actors", "--processes", "1", "--threads", "1"]
+    with process([*worker, "--queues", queue], project) as child:
+        wait_for(lambda: count(project, "orders_ledgerentry") == 1, "the ledger entry", child)
+    with sqlite3.connect(project / "db.sqlite3") as db:
+        (ledger_event,) = db.execute("SELECT event_id FROM orders_ledgerentry").fetchone()
+    assert ledger_event == event_id
+    assert count(project, "orders_ledgerentry") == 1
 
 
 def test_the_django_tasks_guide_enqueues_once_for_a_db_worker(

@@ -2,10 +2,11 @@
 
 Strict mode fails on a broken Markdown link, but not on an include that was mistyped (the
 snippet marker is then printed as text, ``--8 < --"file"``), a ``{{ ... }}`` placeholder that no
-hook filled, a table broken by a blank line (its rows become paragraphs of pipes), or a link
-written in HTML. :func:`site_problems` reads every built page for those, and for any link to a
-page or an anchor that does not exist. The second test plants each kind of error in a small site
-built with the same configuration, and checks that each one is reported.
+hook filled, a table broken by a blank line (its rows become paragraphs of pipes), a link
+written in HTML, or a code block indented as a whole (a section included from inside a function
+without ``dedent_subsections``). :func:`site_problems` reads every built page for those, and for
+any link to a page or an anchor that does not exist. The second test plants each kind of error
+in a small site built with the same configuration, and checks that each one is reported.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ TAG = re.compile(r"<[^>]+>")
 SNIPPET = re.compile(r"-{1,2}\s*8\s*<\s*-{1,2}")
 PLACEHOLDER = re.compile(r"\{\{[^{}]*\}\}|\{%[^{}]*%\}")
 PIPE_PARAGRAPH = re.compile(r"<p>\s*\|")
+PRE = re.compile(r"<pre\b[^>]*>(.*?)</pre>", re.S)
 HREF = re.compile(r"""<a\s[^>]*?href="([^"]*)\"""")
 ID = re.compile(r"""\sid="([^"]+)\"""")
 #: Pages mkdocs and its theme write themselves.
@@ -52,6 +54,10 @@ def page_problems(site: Path, path: Path, ids: dict[Path, set[str]]) -> list[str
     for match in PIPE_PARAGRAPH.finditer(main):
         line = text_of(main[match.start() : match.start() + 200]).splitlines()[0]
         problems.append(f"{name}: a table row rendered as text: {line!r}")
+    for block in PRE.findall(main):
+        lines = [line for line in text_of(block).splitlines() if line.strip()]
+        if lines and all(line[0] in " \t" for line in lines):
+            problems.append(f"{name}: a code block indented as a whole: {lines[0]!r}")
     for href in HREF.findall(main):
         problems += link_problems(site, path, html.unescape(href), ids)
     return problems
@@ -121,6 +127,11 @@ PLANTED = {
 
 Version {{ version }}.
 
+```python
+    indented = "as a whole"
+    like = "a section cut from a function"
+```
+
 | key | default |
 | --- | --- |
 | `A` | `1` |
@@ -157,8 +168,9 @@ def test_each_planted_error_is_found(tmp_path: Path) -> None:
     assert "a page that does not exist: missing.md" in found
     assert "an anchor that does not exist: other/#nowhere" in found
     assert "an anchor that does not exist: other/#nor-here" in found
+    assert "a code block indented as a whole: '    indented = \"as a whole\"'" in found
     assert "#a-section" not in found
-    assert len(found.splitlines()) == 6, found
+    assert len(found.splitlines()) == 7, found
 
 
 def test_no_include_sits_in_a_block_that_ruff_formats() -> None:

@@ -7,16 +7,19 @@ import hashlib
 import logging
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import AnonymousUser, Group, User
 from django.core.exceptions import ImproperlyConfigured
 from django.http import HttpRequest
 from django.test import Client, RequestFactory, override_settings
 from django.utils.crypto import salted_hmac
+from django.utils.functional import SimpleLazyObject
 
 from django_idempotency.http.owner import (
     AUTHORIZATION_SALT,
     default_owner,
     display_owner,
+    normalise_authorization,
+    principal_owner,
     resolve_owner,
 )
 from django_idempotency.models import IdempotencyRecord
@@ -157,3 +160,86 @@ def test_display_owner_cuts_only_auth_owners() -> None:
     assert display_owner("user:7") == "user:7"
     assert display_owner("anonymous") == "anonymous"
     assert display_owner("auth:" + "a" * 64) == "auth:aaaaaaaa…"
+
+
+# -- issue 34: the principal's kind, and tabs in Authorization ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("lower", "upper"),
+    [
+        ("Bearer\tabc", "Bearer\tABC"),
+        ("Bearer \t abc", "Bearer\t \tABC"),
+        ("Bearer\t\tabc", "Bearer ABC"),
+        ("Basic\tYW5uOnB3", "Basic\tyw5uonb3"),
+    ],
+)
+def test_a_tab_never_casefolds_the_credentials(lower: str, upper: str) -> None:
+    """``Bearer<TAB>token`` was lowercased whole: two tokens that differ in case, one owner."""
+    factory = RequestFactory()
+    owner = default_owner(factory.post("/", HTTP_AUTHORIZATION=lower))
+    assert owner != default_owner(factory.post("/", HTTP_AUTHORIZATION=upper))
+    # The scheme still compares without case, whatever separates it from the credentials.
+    scheme, credentials = lower.split(None, 1)
+    for variant in (f"{scheme.upper()} {credentials}", f"{scheme.lower()}\t{credentials}"):
+        assert default_owner(factory.post("/", HTTP_AUTHORIZATION=variant)) == owner
+
+
+def test_normalise_authorization_splits_on_any_run_of_spaces_and_tabs() -> None:
+    assert normalise_authorization("Bearer\tAbC") == "bearer AbC"
+    assert normalise_authorization(" \tBEARER \t\t AbC d \t") == "bearer AbC d"
+    assert normalise_authorization("Bearer") == "bearer"
+    assert normalise_authorization("Bearer\t") == "bearer"
+
+
+def test_a_principal_of_another_model_is_another_owner() -> None:
+    """A DRF authenticator's principal of another model with pk 1 got user 1's responses."""
+    ann = User.objects.create_user("ann")
+    client = Group.objects.create(pk=ann.pk, name="api-client")
+    client.is_authenticated = True  # type: ignore[attr-defined]
+    assert principal_owner(ann) == f"user:{ann.pk}"  # unchanged: live records stay valid
+    assert principal_owner(client) == f"principal:auth.group:{ann.pk}"
+    request = RequestFactory().post("/")
+    request.user = client  # type: ignore[assignment]
+    assert default_owner(request) == f"principal:auth.group:{ann.pk}"
+    # A lazy request.user (AuthenticationMiddleware's) is the object it wraps.
+    request.user = SimpleLazyObject(lambda: ann)  # type: ignore[assignment]
+    assert default_owner(request) == f"user:{ann.pk}"
+
+
+class TokenPrincipal:
+    """A principal that is no model (simplejwt's TokenUser, an API client object)."""
+
+    is_authenticated = True
+
+    def __init__(self, pk: object) -> None:
+        self.pk = pk
+
+
+class Nameless:
+    is_authenticated = True
+
+
+def test_principals_that_are_no_model() -> None:
+    assert principal_owner(TokenPrincipal(1)) == (f"principal:{__name__}.TokenPrincipal:1")
+    # django-ninja's request.auth may be the token itself: a keyed HMAC, never the value.
+    token_owner = principal_owner("s3cret-token")
+    assert token_owner is not None and token_owner.startswith("auth:")
+    assert "s3cret" not in token_owner
+    assert principal_owner("S3CRET-TOKEN") != token_owner
+    assert principal_owner(b"s3cret-token") == token_owner
+    for nobody in (None, True, False, "", AnonymousUser(), Nameless(), 7, Group(name="unsaved")):
+        assert principal_owner(nobody) is None
+    long = principal_owner(TokenPrincipal("x" * 300))
+    assert long is not None and len(long) <= 255 and long.startswith("principal:")
+
+
+def test_an_authenticated_user_that_names_no_one_is_a_configuration_error() -> None:
+    request = RequestFactory().post("/")
+    request.user = Nameless()  # type: ignore[assignment]
+    with pytest.raises(ImproperlyConfigured, match="names no one"):
+        resolve_owner(request)
+    # With an Authorization header, the header scopes it.
+    request = RequestFactory().post("/", HTTP_AUTHORIZATION="Bearer abc")
+    request.user = Nameless()  # type: ignore[assignment]
+    assert resolve_owner(request).startswith("auth:")

@@ -77,6 +77,7 @@ def test_a_batch_is_one_transaction_with_one_offset_commit(
     assert sum(committed(kafka_cluster, settings).values()) == 12
 
 
+@pytest.mark.slow  # over 5 s: kept out of make test-quick; CI runs it with the slow tests
 def test_a_failure_rolls_the_batch_back_and_isolates_the_poison(
     kafka_cluster: Cluster, topic: str
 ) -> None:

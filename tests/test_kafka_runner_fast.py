@@ -37,9 +37,10 @@ from tests.kafka_cluster import Cluster, start_consumer
 from tests.workers import database_url
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.django_db(transaction=True)]
-#: The quick suite keeps one test per guarantee (offset after the commit, dead letter before the
-#: offset, seek-back, commit on revoke); the regressions below each take a group join of several
-#: seconds, so they run with the slow tests, on PostgreSQL and MariaDB.
+#: The quick suite keeps one test per guarantee (offset after the commit, seek-back, commit on
+#: revoke; the dead letter before the offset is in tests/test_kafka_guarantees.py); the
+#: regressions below each take a group join of several seconds, so they run with the slow
+#: tests, on PostgreSQL and MariaDB.
 T = TypeVar("T")
 
 
@@ -173,6 +174,7 @@ def test_a_failure_seeks_back_and_the_partition_keeps_its_order(
     assert sum(committed(kafka_cluster, settings).values()) == 2
 
 
+@pytest.mark.slow  # over 5 s: kept out of make test-quick; CI runs it with the slow tests
 def test_a_handler_that_hangs_ends_its_process_after_its_delivery_is_counted(
     kafka_cluster: Cluster, topic: str, tmp_path: Path
 ) -> None:
@@ -271,11 +273,14 @@ def test_an_unacknowledged_dead_letter_produce_does_not_move_the_offset(
     assert record.parked_at is not None
 
 
+@REGRESSION
 def test_the_dead_letter_is_acknowledged_before_the_offset_is_committed(
     kafka_cluster: Cluster, topic: str
 ) -> None:
     """A poison message goes to the dead-letter topic with its headers, then its offset is
-    committed, and the message behind it is applied."""
+    committed, and the message behind it is applied. (The quick proof, which also catches a
+    dead letter whose acknowledgement is not awaited, is in tests/test_kafka_guarantees.py, on
+    a mock cluster whose groups form at once; this one runs on KAFKA_BOOTSTRAP_SERVERS too.)"""
     poison, after = event(), event()
     produce(kafka_cluster, topic, [poison, after])
     settings = settings_for(kafka_cluster, topic, max_deliveries=1)
@@ -301,6 +306,7 @@ def test_the_dead_letter_is_acknowledged_before_the_offset_is_committed(
     assert effect_ids() == [json.loads(after)["event_id"]]
 
 
+@pytest.mark.slow  # over 5 s: kept out of make test-quick; CI runs it with the slow tests
 def test_revoked_partitions_commit_their_offsets_before_they_move(
     kafka_cluster: Cluster, topic: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -496,7 +502,7 @@ def test_replay_idles_from_the_assignment_and_keeps_the_key_partition(
         murmur.produce(f"{topic}.dlq", value=msg.value(), key=msg.key(), headers=dead)
     assert murmur.flush(30) == 0
 
-    from django_idempotency.kafka.runner import replay_dead_letters
+    from django_idempotency.kafka.replay import replay_dead_letters
 
     # Shorter than the group join (about 3 s on the mock cluster), long enough for a first fetch
     # on a loaded machine.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -15,7 +16,10 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.test import override_settings
 from django.utils import timezone
+
+from django_idempotency.checks import check_outbox_transports
 
 pytest.importorskip("confluent_kafka")
 from confluent_kafka import KafkaException, Producer
@@ -23,6 +27,7 @@ from confluent_kafka import KafkaException, Producer
 from django_idempotency.kafka.transport import KafkaTransport
 from django_idempotency.outbox.transports import OutboxMessage, Transport
 from tests.kafka_cluster import Cluster
+from tests.kafka_mock import MockCluster
 
 _ids = itertools.count(1)
 
@@ -121,6 +126,78 @@ def test_after_a_failure_the_later_messages_of_that_key_are_not_sent(
 def test_a_weaker_producer_is_refused(config: dict[str, Any], text: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=text):
         KafkaTransport(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "timeout", "text"),
+    [
+        ({"message.timeout.ms": 60_000}, 30.0, "longer than the transport's timeout (30 s)"),
+        ({"message.timeout.ms": "30001"}, 30.0, "longer than the transport's timeout"),
+        ({"delivery.timeout.ms": 2_000}, 1.5, "'delivery.timeout.ms' to 2000, longer than"),
+        ({"message.timeout.ms": 0}, 30.0, "0 is no limit at all"),
+        ({"message.timeout.ms": "soon"}, 30.0, "not a positive number of milliseconds"),
+        ({}, float("nan"), "timeout must be a positive number of seconds"),
+        ({}, 0, "timeout must be a positive number of seconds"),
+    ],
+)
+def test_a_message_timeout_that_outlives_the_transport_is_refused(
+    config: dict[str, Any], timeout: float, text: str
+) -> None:
+    """Issue 35 item 5: a message.timeout.ms above the transport's timeout let librdkafka
+    deliver a message after send() had reported it failed; the relay sent it again, and the
+    topic held it twice (test_nothing_is_delivered_after_the_transport_reported_a_failure).
+    Refused when the transport is built, and by the system checks (E032)."""
+    options = {"config": {"bootstrap.servers": "127.0.0.1:1", **config}, "timeout": timeout}
+    with pytest.raises(ImproperlyConfigured, match=re.escape(text)):
+        KafkaTransport(**options)
+    entry = {"BACKEND": "django_idempotency.kafka.transport.KafkaTransport", "OPTIONS": options}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": {"default": entry}}):
+        [error] = [m for m in check_outbox_transports() if m.id == "django_idempotency.E032"]
+    assert text in error.msg
+    assert "['OUTBOX_TRANSPORTS']['default']['OPTIONS']" in error.msg
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{}, {"message.timeout.ms": 30_000}, {"delivery.timeout.ms": "5000"}],
+)
+def test_a_message_timeout_within_the_transport_timeout_passes(config: dict[str, Any]) -> None:
+    options = {"config": {"bootstrap.servers": "127.0.0.1:1", **config}}
+    entry = {"BACKEND": "django_idempotency.kafka.transport.KafkaTransport", "OPTIONS": options}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": {"default": entry}}):
+        assert check_outbox_transports() == []
+    assert KafkaTransport(**options).config["message.timeout.ms"] in (30_000, "5000")
+
+
+def test_nothing_is_delivered_after_the_transport_reported_a_failure(
+    kafka_mock: MockCluster,
+) -> None:
+    """A real producer on librdkafka's mock cluster: the first message's topic does not exist
+    yet (and the brokers do not create topics), so it waits in librdkafka's queue and the
+    transport reports it failed after its ``timeout``. Then the topic is created and a second
+    message is sent through the same producer: the topic holds the second one only. With a
+    ``message.timeout.ms`` longer than the ``timeout`` (librdkafka's default is 300 s), the
+    first one was still queued, and went out with the second: the relay, told it had failed,
+    would have written it a second time."""
+    topic = f"idem-late-{uuid.uuid4().hex[:8]}"
+    config = {"bootstrap.servers": kafka_mock.bootstrap, "allow.auto.create.topics": False}
+    transport = KafkaTransport(config, timeout=1.0)
+    try:
+        [failed] = transport.send([outgoing(topic, {"n": 1}, "order-1")])
+        assert isinstance(failed, (KafkaException, TimeoutError)), failed
+        kafka_mock.create_topic(topic)
+        # The producer learns of the new topic at its next metadata refresh, which may take
+        # more than the 1 s timeout on a loaded machine: send again until it goes. Each
+        # attempt reported failed must not be delivered either, so the topic still holds one.
+        for _attempt in range(30):
+            [second] = transport.send([outgoing(topic, {"n": 2}, "order-1")])
+            if second is None:
+                break
+            assert isinstance(second, (KafkaException, TimeoutError)), second
+        assert second is None, second
+    finally:
+        transport.close()
+    assert [json.loads(m.value() or b"") for m in kafka_mock.read(topic)] == [{"n": 2}]
 
 
 class EarlyFlush(Producer):

@@ -160,7 +160,7 @@ def test_a_payload_nested_to_the_limit_is_stored() -> None:
         (lambda: outbox.send("t", {}, headers={"a": 1}), TypeError, "strings"),  # type: ignore[dict-item]
         (lambda: outbox.send("t", {}, event_id=""), ValueError, "empty"),
         (lambda: outbox.send("t", {}, transport="kafka"), ImproperlyConfigured, "kafka"),
-        (lambda: outbox.publish("t", countdown=5), TypeError, "countdown"),
+        (lambda: outbox.publish("t", flavour=5), TypeError, "flavour"),
         (lambda: outbox.send("t", nested(32)), ValueError, "nested 32 levels deep"),
         (lambda: outbox.publish("t", args=[nested(200_000)]), ValueError, "levels deep"),
     ],
@@ -397,3 +397,57 @@ def test_a_transport_with_validate_message_refuses_what_it_can_never_send() -> N
         "anything",
         "shop.effect",
     ]
+
+
+WITHOUT_CELERY = """
+import importlib.abc, sys
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("celery", "kombu"):
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden by the test)", name=name)
+        return None
+
+sys.meta_path.insert(0, Block())
+from django.conf import settings
+settings.configure(
+    INSTALLED_APPS=["django.contrib.contenttypes", "django.contrib.auth", "django_idempotency"],
+    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
+    USE_TZ=True,
+)
+import django
+django.setup()
+from django.core.management import call_command
+from django.db import transaction
+from django_idempotency import outbox
+call_command("migrate", verbosity=0)
+try:
+    with transaction.atomic():
+        outbox.publish("shop.apply", [1])
+except ImportError as error:
+    print(type(error).__name__, error)
+"""
+
+
+@pytest.mark.django_db(databases=[])
+def test_publish_without_celery_names_the_extra() -> None:
+    """A bare install (Celery hidden from a fresh interpreter, the default transport a
+    CeleryTransport): ``publish()`` raises an ImportError that says what to install, not a raw
+    ``No module named 'celery'``."""
+    import subprocess
+    import sys
+
+    from tests.workers import REPO
+
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_CELERY],
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'django-idempotency[celery]'" in done.stdout, done.stdout
+    assert done.stdout.startswith("ImportError outbox.publish() needs Celery"), done.stdout

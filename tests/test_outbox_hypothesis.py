@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -100,13 +99,10 @@ def utf8(text: str) -> bool:
 
 
 def same_json(a: Any, b: Any) -> bool:
-    """Equal as JSON: numbers by value (PostgreSQL's ``jsonb`` gives ``1e+16`` back as
-    ``10000000000000000``), everything else exactly."""
-
-    def canonical(value: Any) -> Any:
-        return json.loads(json.dumps(value), parse_float=Decimal, parse_int=Decimal)
-
-    return bool(canonical(a) == canonical(b))
+    """The same JSON, numbers' types included: a float stays a float (PostgreSQL's ``jsonb``
+    gave ``1e+16`` back as the integer ``10000000000000000`` until the outbox wrote such floats
+    with a fraction); only the keys' order may change (``jsonb`` sorts them)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def storable_text(text: str) -> bool:
@@ -129,6 +125,10 @@ def expected_errors(payload: Any, key: str | None, headers: dict[str, str]) -> t
         errors.add(ValueError)
     if any(not math.isfinite(f) for f in floats(payload)):
         errors.add(TypeError)
+    if connection.vendor == "postgresql" and any(
+        f == 0 and math.copysign(1.0, f) < 0 for f in floats(payload)
+    ):
+        errors.add(TypeError)  # jsonb has no negative zero
     if not all(storable_text(t) for t in [*texts(payload), *texts(headers)]):
         errors.add(TypeError)
     return tuple(sorted(errors, key=lambda e: e.__name__))

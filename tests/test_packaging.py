@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import importlib
 import re
+import shutil
+import subprocess
 import sys
+import tarfile
 from configparser import ConfigParser
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from django_idempotency.extras import EXTRAS
 
@@ -94,3 +99,51 @@ def test_installation_docs_show_the_real_error(monkeypatch: pytest.MonkeyPatch) 
     ]
     raised = import_without(monkeypatch, "django_idempotency.events.celery", "celery")
     assert documented == [str(raised)]
+
+
+def load_script(name: str) -> Any:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
+@pytest.mark.sqlite  # builds from the checkout: once, not in every database pass
+def test_the_sdist_ships_no_tests(tmp_path: Path) -> None:
+    """Issue 35 item 18: the sdist shipped ``tests/`` without ``conftest.py`` or
+    ``testproject/``, so its tests could not run. It leaves them out (MANIFEST.in)."""
+    egg_info = ROOT / "django_idempotency.egg-info"
+    left_by_us = not egg_info.exists()
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "-o", str(tmp_path), "."],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if left_by_us:
+        shutil.rmtree(egg_info, ignore_errors=True)  # setuptools writes it into the checkout
+    assert built.returncode == 0, built.stdout + built.stderr
+    (sdist,) = tmp_path.glob("django_idempotency-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert not [name for name in names if name.startswith("tests/")]
+    assert load_script("check_release").check_sdist(sdist) == []
+
+
+def test_the_readme_links_only_to_absolute_addresses_on_the_docs_site() -> None:
+    """Issue 35 item 18: the package index page shows README.md, where a relative link
+    (``docs/installation.md``) leads nowhere. Each link is absolute, and each one into the docs
+    site names a page that the site has."""
+    site_url = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))[
+        "site_url"
+    ]
+    links = re.findall(r"\]\(([^)\s]+)\)", (ROOT / "README.md").read_text())
+    assert links
+    assert [link for link in links if not link.startswith("https://")] == []
+    for link in links:
+        if link.startswith(site_url):
+            page = link.removeprefix(site_url).split("#")[0].strip("/") or "index"
+            assert (ROOT / "docs" / f"{page}.md").exists(), link
+    assert any(link.startswith(site_url) for link in links)

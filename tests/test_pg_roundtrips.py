@@ -303,9 +303,12 @@ def test_with_server_side_binding_begin_and_commit_go_apart() -> None:
 @pytest.mark.django_db(transaction=True)
 def test_a_connection_the_server_closed_fails_as_a_django_cursor_fails() -> None:
     """The server ends the session between two requests (a restart, an idle timeout): the claim
-    that would carry the BEGIN raises Django's OperationalError, the connection is found unusable
-    and closed at the end of the request, and the next request runs on a new one."""
+    that would carry the BEGIN raises Django's OperationalError, which the claim answers as 503
+    (``DatabaseUnavailable``, issue 35 item 11); the connection is closed, and the next request
+    runs on a new one."""
     from django.db import OperationalError, close_old_connections
+
+    from django_idempotency.exceptions import DatabaseUnavailable
 
     connection.ensure_connection()
     pid = connection.connection.info.backend_pid
@@ -317,8 +320,9 @@ def test_a_connection_the_server_closed_fails_as_a_django_cursor_fails() -> None
     finally:
         other.close()
 
-    with pytest.raises(OperationalError):
+    with pytest.raises(DatabaseUnavailable) as raised:
         run_view("k")
+    assert isinstance(raised.value.__cause__, OperationalError)
     close_old_connections()  # what Django runs when the request ends
     assert connection.connection is None
     assert run_view("k") == "made"

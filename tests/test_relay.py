@@ -641,6 +641,27 @@ def test_a_transport_whose_library_is_missing_fails_check_e033_naming_the_extra(
     assert f"django-idempotency[{extra}]" in str(message.hint)
 
 
+def test_kafka_transport_without_confluent_kafka_fails_e033_not_e030(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 35 item 16: in a project without confluent-kafka, importing
+    ``django_idempotency.kafka.transport`` itself fails (it imports confluent-kafka at its top),
+    and the check reported E030 ("cannot be imported") where the docs promise E033 naming the
+    extra. Simulated here by blocking the import and dropping the module already imported."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "confluent_kafka", None)  # import confluent_kafka fails
+    monkeypatch.delitem(sys.modules, "django_idempotency.kafka.transport", raising=False)
+    backend = "django_idempotency.kafka.transport.KafkaTransport"
+    value = {"default": {"BACKEND": RECORDING_BACKEND}, "kafka": {"BACKEND": backend}}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": value}):
+        ours = [m for m in run_checks() if m.id.startswith("django_idempotency.")]
+    assert [m.id for m in ours] == ["django_idempotency.E033"], [str(m) for m in ours]
+    assert "['kafka']" in ours[0].msg
+    assert "needs confluent_kafka" in ours[0].msg
+    assert "django-idempotency[kafka]" in str(ours[0].hint)
+
+
 def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
     value = {
         "default": {
@@ -654,7 +675,8 @@ def test_system_checks_accept_the_default_and_a_custom_transport() -> None:
     assert not [i for i in ids if i.startswith("django_idempotency.")]
 
 
-RECORDING = {"default": {"BACKEND": "tests.test_relay.RecordingTransport"}}
+RECORDING_BACKEND = "tests.test_relay.RecordingTransport"
+RECORDING = {"default": {"BACKEND": RECORDING_BACKEND}}
 
 
 def test_command_once_sends_what_is_due_and_prints_totals() -> None:
@@ -816,24 +838,24 @@ def listener_pids() -> list[int]:
 
 
 @pytest.mark.postgres
-def test_under_psycopg2_the_relay_polls_and_says_so_once(
+def test_under_another_driver_the_relay_polls_and_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """psycopg2 has no ``notifies()`` generator: listening there failed on every wait, logged
-    "LISTEN connection lost" and tried again every five seconds for ever. The relay now polls
-    under psycopg2 and says why, once. (Django's backend names the driver module it loaded.)"""
+    """A driver other than psycopg 3 and psycopg2 (whose LISTEN tests/test_relay_psycopg2.py
+    shows): the relay polls and says why, once. (Django's backend names the driver module it
+    loaded.)"""
     import types
 
     from django.db import connections
 
     from django_idempotency.outbox import store
 
-    psycopg2 = types.SimpleNamespace(__name__="psycopg2")
-    monkeypatch.setattr(connections["default"], "Database", psycopg2)
+    other = types.SimpleNamespace(__name__="otherpg")
+    monkeypatch.setattr(connections["default"], "Database", other)
     with caplog.at_level("WARNING", logger="django_idempotency.outbox.relay"):
         assert store.Listener.open("default") is None
     assert [r.getMessage() for r in caplog.records] == [
-        "outbox relay: LISTEN needs psycopg 3; under psycopg2 the relay polls instead"
+        "outbox relay: LISTEN needs psycopg 3 or psycopg2; under otherpg the relay polls instead"
     ]
 
 

@@ -23,6 +23,10 @@ from django_idempotency.outbox import core as outbox
 from django_idempotency.status import collect
 from tests.workers import REPO, database_url
 
+#: A bound on a real process's run, not a timing: the version-matrix lanes run at nice 19 beside
+#: the main pass, and a Django start-up there can take minutes of wall time.
+PROCESS_TIMEOUT = 600
+
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("null_default_transport"),  # topic messages, no Celery task call
@@ -171,7 +175,7 @@ def test_a_bad_option_exits_2(args: list[str]) -> None:
         },
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_TIMEOUT,
         check=False,
     )
     assert done.returncode == 2, done.stderr
@@ -190,7 +194,7 @@ def test_a_real_process_exits_1_on_a_threshold() -> None:
         },
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=PROCESS_TIMEOUT,
         check=False,
     )
     assert done.returncode == 1, done.stderr

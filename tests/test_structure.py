@@ -24,39 +24,54 @@ P = "django_idempotency"
 #: of its own row and of the rows below it, never those of a row above.
 LAYERS: dict[str, list[set[str]]] = {
     "http": [
-        {"decorators", "middleware", "drf", "checks"},
+        {"decorators", "middleware", "drf", "ninja", "checks"},
         {"handler"},
         {"core"},
         {"keys", "owner", "fingerprint"},
         {"store"},
     ],
-    "events": [{"consumers", "celery", "django_tasks"}, {"core"}, {"ids"}, {"store"}],
-    "outbox": [
-        {"relay"},
+    "events": [
+        {"consumers", "celery", "django_tasks", "dramatiq"},
+        {"celery_steps"},
         {"core"},
-        {"transports", "capture"},
-        {"celery_redis", "celery_copies", "saferepr", "store"},
+        {"ids"},
+        {"store"},
     ],
-    "kafka": [{"runner", "transport"}, {"watchdog", "settings"}],
+    "outbox": [
+        {"relay", "celery"},
+        {"core"},
+        {"dramatiq"},
+        {"transports", "capture"},
+        {"celery_calls"},
+        {"celery_redis", "celery_copies", "celery_canvas", "saferepr", "schedule", "store"},
+    ],
+    "kafka": [{"replay"}, {"runner", "transport"}, {"watchdog", "settings"}],
     "flows": [{"completer", "sagas"}, {"phases"}],
     "retention": [{"purge"}, {"partitioning"}, {"reports"}],
+    "protection": [{"checks", "admin"}, {"core"}, {"keys"}, {"store"}],
 }
 #: The modules users and operators reach directly: no core or store imports one of them.
 ADAPTERS = {
     f"{P}.http.decorators",
     f"{P}.http.middleware",
     f"{P}.http.drf",
+    f"{P}.http.ninja",
     f"{P}.events.consumers",
     f"{P}.events.celery",
     f"{P}.events.django_tasks",
+    f"{P}.events.dramatiq",
+    f"{P}.outbox.celery",
     f"{P}.kafka.runner",
+    f"{P}.kafka.replay",
     f"{P}.tasks",
     f"{P}.admin",
+    f"{P}.protection.admin",
+    f"{P}.protection.checks",
 }
-CORES = {f"{P}.http.core", f"{P}.events.core", f"{P}.outbox.core"}
-STORES = {f"{P}.http.store", f"{P}.events.store", f"{P}.outbox.store"}
+CORES = {f"{P}.http.core", f"{P}.events.core", f"{P}.outbox.core", f"{P}.protection.core"}
+STORES = {f"{P}.http.store", f"{P}.events.store", f"{P}.outbox.store", f"{P}.protection.store"}
 #: Lazy public names: a function-level import from these ``__init__`` modules is a re-export.
-LAZY_EXPORTS = {P, f"{P}.outbox"}
+LAZY_EXPORTS = {P, f"{P}.outbox", f"{P}.protection"}
 
 
 def module_name(path: Path) -> str:

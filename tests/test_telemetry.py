@@ -138,6 +138,21 @@ def test_a_response_that_was_not_stored(client: Client, otel: Sdk) -> None:
     )
 
 
+def test_an_erased_and_an_undecryptable_record(client: Client, otel: Sdk) -> None:
+    from django_idempotency.protection import erase_owner
+    from tests.protection_helpers import keys, new_key
+
+    with keys(new_key()):
+        post(client, URL, "sealed")
+    with keys(new_key()):
+        undecryptable = counted(otel, lambda: post(client, URL, "sealed"))
+    assert one(undecryptable) == requests_counter("undecryptable", "undecryptable")
+    post(client, URL, "erased")
+    erase_owner("anonymous")
+    erased = counted(otel, lambda: post(client, URL, "erased"))
+    assert one(erased) == requests_counter("erased", "erased")
+
+
 def test_a_malformed_and_a_missing_key(client: Client, otel: Sdk) -> None:
     malformed = counted(otel, lambda: post(client, URL, "a, b"))
     assert one(malformed) == requests_counter("malformed_key", "malformed_key")
@@ -345,6 +360,28 @@ def test_relay_sends_by_transport_and_outcome_and_its_batch_duration(otel: Sdk) 
     assert otel.finished() == []
 
 
+def test_messages_held_back_behind_a_failure_count_as_held_not_failed(otel: Sdk) -> None:
+    """One refusal in front of three messages of its key is one failed attempt: the three
+    behind it were not attempted, and count as ``held`` (each is claimed again with it)."""
+    with transaction.atomic():
+        outbox.send("bad.topic", {"n": 0}, key="held-key")
+        for n in range(1, 4):
+            outbox.send("ok.topic", {"n": n}, key="held-key")
+        outbox.send("ok.topic", {"n": 4})
+    relay = Relay(transports={"default": Answering({"bad.topic"})}, max_attempts=5)
+    sends = telemetry.OUTBOX_SENDS
+    changes = {k: v for k, v in counted(otel, relay.run_once).items() if k[0] == sends}
+
+    def outcome(word: str) -> tuple[str, frozenset[tuple[str, str]]]:
+        return (
+            sends,
+            frozenset({("idempotency.transport", "default"), ("idempotency.outcome", word)}),
+        )
+
+    assert changes == {outcome("sent"): 1, outcome("failed"): 1, outcome("held"): 3}
+    assert OutboxEntry.objects.filter(ordering_key="held-key", attempts=0).count() == 3
+
+
 def test_outbox_gauges_read_pending_lag_parked_and_abandoned_runs(otel: Sdk) -> None:
     alias = connection.alias
     assert telemetry.observe(alias)
@@ -523,6 +560,92 @@ def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path:
     }
 
 
+BAD_PROPAGATOR = textwrap.dedent(
+    """
+    import json, logging, os, uuid
+
+    os.environ["DJANGO_SETTINGS_MODULE"] = "testproject.settings"
+    import django
+    django.setup()
+    from django.test.utils import setup_test_environment
+    setup_test_environment()
+    from django.core.management import call_command
+    call_command("migrate", verbosity=0)
+    from django.db import transaction
+    from django.test import Client
+    from django_idempotency import telemetry
+    from django_idempotency.events.core import process_event
+    from django_idempotency.models import OutboxEntry
+    from django_idempotency.outbox import core as outbox
+    from django_idempotency.outbox.relay import Relay
+
+    class Seen(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.lines = []
+        def emit(self, record):
+            if record.name == "django_idempotency":
+                self.lines.append(record.getMessage())
+
+    seen = Seen()
+    logging.getLogger("django_idempotency").addHandler(seen)
+    client = Client()
+    statuses = []
+    for _ in range(2):
+        statuses.append(client.post("/probe/effect/", "{}", content_type="application/json",
+                                    headers={"Idempotency-Key": "bad-propagator"}).status_code)
+    applied = process_event("c.bad", str(uuid.uuid4()), lambda: None).applied
+    with transaction.atomic():
+        outbox.send("bad.topic", {"n": 1})
+        outbox.send("bad.topic", {"n": 2})
+    relayed = Relay().drain().sent
+    print(json.dumps({
+        "statuses": statuses,
+        "applied": applied,
+        "relayed": relayed,
+        "enabled": telemetry.enabled(),
+        "tracing": telemetry.tracing(),
+        "warnings": [line for line in seen.lines if line.startswith("telemetry:")],
+    }))
+    """
+)
+
+
+def test_an_opentelemetry_that_fails_to_load_switches_telemetry_off_once(tmp_path: Any) -> None:
+    """``OTEL_PROPAGATORS`` naming a propagator that is not installed makes the real
+    ``opentelemetry.propagate`` raise ValueError on import. A request and its replay, an event,
+    two outbox messages and the relay's batch all work; telemetry is off, and one WARNING
+    names the cause (the import is not tried again at every call)."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(REPO),
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'bad-propagator.sqlite3'}",
+        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(NULL_TRANSPORTS),
+        "OTEL_PROPAGATORS": "b3multi_typo",
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", BAD_PROPAGATOR],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    warnings = result.pop("warnings")
+    assert result == {
+        "statuses": [201, 201],
+        "applied": True,
+        "relayed": 2,
+        "enabled": False,
+        "tracing": False,
+    }
+    assert len(warnings) == 1, warnings
+    assert "b3multi_typo" in warnings[0] and "OTEL_PROPAGATORS" in warnings[0]
+
+
 def test_with_no_op_providers_the_library_skips_its_span_and_metric_work(otel: Sdk) -> None:
     """The ``otel`` extra without an SDK: the API's providers would answer every call with a
     no-op; the library sees that and does not even build spans (the microbenchmark's
@@ -611,7 +734,13 @@ def test_a_database_that_cannot_be_read_hides_no_other(
         other.close()
         other.settings_dict.update(saved)
     assert pending == {"default": 1}
-    assert any("other" in record.getMessage() for record in caplog.records)
+    # One line naming the database and the cause; the traceback only at DEBUG (a database
+    # outage added one per collection to the relay's log).
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.getMessage().startswith(
+        "telemetry: cannot read the figures of database 'other' (OperationalError: "
+    )
+    assert warning.exc_info is None
 
 
 @pytest.mark.django_db(transaction=True)

@@ -94,6 +94,7 @@ def test_flow_runs_failed_and_compensated(client: Client, otel: Sdk, remote_call
 # --- Kafka ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over 5 s: kept out of make test-quick; CI runs it with the slow tests
 @pytest.mark.postgres
 @pytest.mark.timeout(180)
 def test_kafka_messages_by_outcome_and_dead_letters(kafka_cluster: Any, otel: Sdk) -> None:

@@ -72,7 +72,10 @@ def test_the_message_is_the_one_send_task_publishes(
         kwargs=payload["kwargs"],
         task_id=outgoing.event_id,
         headers={**outgoing.headers, "event_id": outgoing.event_id},
-        retry=False,
+        # The reference publish may retry a connection the broker reset (seen once under a
+        # loaded CI run); retrying changes nothing in the message compared below.
+        retry=True,
+        retry_policy={"max_retries": 3, "interval_start": 0.2, "interval_step": 0.5},
         **payload["options"],
     )
     transport = CeleryTransport(app=app)
@@ -295,6 +298,7 @@ def send_in_thread(transport: CeleryTransport, messages: list[OutboxMessage]) ->
     return box[0]
 
 
+@pytest.mark.slow  # over 5 s: kept out of make test-quick; CI runs it with the slow tests
 @pytest.mark.parametrize(
     ("broker", "options"),
     [("redis", {}), ("rabbitmq", {}), ("rabbitmq", {"transactions": True})],

@@ -116,11 +116,13 @@ def start_worker(
     log_dir: Path,
     concurrency: int = 4,
     prefetch_multiplier: int = 1,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Worker:
     env = {
         "CELERY_BROKER_URL": broker_url,
         "CELERY_RESULT_BACKEND": RESULT_BACKEND,
         "CELERY_TASK_ALWAYS_EAGER": "false",
+        **(extra_env or {}),
     }
     log = log_dir / f"{name}.log"
     command = [
@@ -225,6 +227,7 @@ def worker_group(
     label: str,
     workers: int = 2,
     concurrency: int = 4,
+    extra_env: Mapping[str, str] | None = None,
 ) -> Iterator[WorkerGroup]:
     """Start ``workers`` worker processes on a new queue; stop them and delete the queue after."""
     queue = new_queue_name(label)
@@ -243,6 +246,7 @@ def worker_group(
                     name=f"{label}{index}-{uuid.uuid4().hex[:6]}",
                     log_dir=log_dir,
                     concurrency=concurrency,
+                    extra_env=extra_env,
                 )
             )
         wait_ready(group.workers)

@@ -44,6 +44,26 @@ def plain_view(name: str, *, sleep: float = 0.0) -> View:
     return view
 
 
+RESPONSE_1K = 1024
+"""The response body of :func:`plain_view_1k`, in bytes: the encryption overhead's row."""
+
+
+def plain_view_1k(name: str) -> View:
+    """:func:`plain_view` answering a JSON body of exactly 1 kB (the effect and padding)."""
+
+    def view(request: HttpRequest) -> HttpResponse:
+        if request.method != "POST":
+            return HttpResponse(status=405)
+        data = json.loads(request.body or b"{}")
+        key = request.headers.get("Idempotency-Key", "")
+        answer: dict[str, Any] = {**perform(name, key, data), "note": ""}
+        answer["note"] = "x" * (RESPONSE_1K - len(json.dumps(answer)))
+        return JsonResponse(answer, status=201)
+
+    view.__name__ = f"{name.replace('-', '_')}_1k_view"
+    return view
+
+
 def drf_view(name: str, *, sleep: float = 0.0, mixins: tuple[type, ...] = ()) -> View:
     """The same body as a DRF ``APIView`` (drf-idempotencykey only works on one)."""
     from rest_framework.request import Request

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 from weakref import WeakKeyDictionary
 
-from django.db import InterfaceError, OperationalError
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
 
 from django_idempotency.extras import missing_extra
 
@@ -36,7 +36,8 @@ except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery
     raise missing_extra("celery", __name__) from error
 
 from django_idempotency import telemetry
-from django_idempotency.events.core import park_message, process_event
+from django_idempotency.events import celery_steps
+from django_idempotency.events.core import note_outage, park_message, process_event
 from django_idempotency.events.ids import (
     EVENT_ID_KEY,
     EventId,
@@ -44,7 +45,7 @@ from django_idempotency.events.ids import (
     find_event_id,
     normalize_event_id,
 )
-from django_idempotency.exceptions import EventParked, MissingEventId, log_text
+from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed, log_text
 
 __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]
 
@@ -78,6 +79,8 @@ class IdempotentConsumerMixin(_TaskBase):
       nothing is lost by that: see :meth:`broker_redelivered`.
     * ``database_retry_delay`` and ``database_retry_delay_max``: the backoff, in seconds, while
       the database is unavailable (default 1 and 60; see below).
+    * ``outbox_transport``: the outbox transport its ``link`` callbacks and chain steps leave
+      through (see below); default ``"default"``.
 
     The task defaults to ``acks_late=True``, ``reject_on_worker_lost=True`` and
     ``acks_on_timeout=False``: the message is acknowledged only after the transaction has
@@ -121,6 +124,15 @@ class IdempotentConsumerMixin(_TaskBase):
       :class:`~django_idempotency.exceptions.OnCommitFailed` and the error is kept in the
       counter's ``last_error``.
 
+    * the delivery carries ``link`` callbacks or a chain (``apply_async(link=...)``, ``a.s() |
+      consumer.s() | b.s()``): the consumer takes them over
+      (:mod:`~django_idempotency.events.celery_steps`). The delivery that applies the event
+      publishes each callback and the chain's next task, with the body's result, through the
+      outbox (``outbox_transport``) in the effect's transaction, so they leave if and only if
+      the effect commits; a duplicate publishes none. Celery's worker publishes none of them
+      itself. A result the outbox cannot store (not kombu's JSON) fails the delivery, rolled
+      back. ``link_error`` errbacks stay Celery's: they run when a delivery fails for good.
+
     Inside the body, ``self.request.event_id`` holds the event id, wherever the message carried
     it.
 
@@ -138,6 +150,7 @@ class IdempotentConsumerMixin(_TaskBase):
     count_deliveries: bool = True
     database_retry_delay: float = 1.0
     database_retry_delay_max: float = 60.0
+    outbox_transport: str = "default"
 
     acks_late = True
     reject_on_worker_lost = True
@@ -245,6 +258,7 @@ class IdempotentConsumerMixin(_TaskBase):
         run_body = super().__call__
         ignored: list[Ignore] = []
         held: list[_Publish] = []
+        taken: list[celery_steps.Taken] = []
 
         def body() -> Any:
             # A body that calls its own task directly nests a delivery in this request's copy:
@@ -254,7 +268,12 @@ class IdempotentConsumerMixin(_TaskBase):
                 # The request the body runs under is a copy of this one: it shares the list.
                 request.update({_HELD_RETRIES: held})
             try:
-                return run_body(*args, **kwargs)
+                result = run_body(*args, **kwargs)
+                if from_broker:  # its callbacks and chain step leave with the effect
+                    took = celery_steps.take_over(self, request, result, event_id)
+                    if took is not None:
+                        taken.append(took)
+                return result
             except Ignore as exc:
                 # Celery acks an Ignore and never redelivers: commit what the body did, then
                 # raise it. A duplicate delivery is then skipped, and publishes no replacement.
@@ -267,17 +286,24 @@ class IdempotentConsumerMixin(_TaskBase):
         try:
             with telemetry.consuming(consumer, telemetry.celery_carrier(request), event_id):
                 try:
-                    outcome = process_event(
-                        consumer,
-                        event_id,
-                        body,
-                        topic=self.topic,
-                        ttl=self.event_ttl,
-                        using=self.database,
-                        max_deliveries=self.max_deliveries,
-                        count_deliveries=self.count_deliveries,
-                        redelivered=self.broker_redelivered() if from_broker else None,
-                    )
+                    try:
+                        outcome = process_event(
+                            consumer,
+                            event_id,
+                            body,
+                            topic=self.topic,
+                            ttl=self.event_ttl,
+                            using=self.database,
+                            max_deliveries=self.max_deliveries,
+                            count_deliveries=self.count_deliveries,
+                            redelivered=self.broker_redelivered() if from_broker else None,
+                        )
+                    except BaseException as exc:
+                        if taken and not isinstance(exc, OnCommitFailed):
+                            # Rolled back with the effect: a retry built from the request
+                            # (the database's backoff) must carry them again.
+                            celery_steps.give_back(request, taken.pop())
+                        raise
                 except (EventParked, OperationalError, InterfaceError):
                     # Parked: refused, so never retried. A database error: retried below,
                     # once, with the database's backoff instead.
@@ -287,6 +313,8 @@ class IdempotentConsumerMixin(_TaskBase):
                     self._publish_held(held, event_id)
                     raise
                 self._publish_held(held, event_id)  # self.retry(throw=False), then committed
+                if from_broker:  # applied (and published them) or a duplicate: none from Celery
+                    celery_steps.clear(request)
         except EventParked as exc:
             if not from_broker:
                 raise
@@ -392,15 +420,26 @@ class IdempotentConsumerMixin(_TaskBase):
         self, event_id: str, error: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> NoReturn:
         countdown = self.database_retry_countdown()
-        logger.warning(
+        message = (
             "database error, nothing applied, retrying in %.1fs (retry %d): event %s, "
-            "consumer %s: %s",
+            "consumer %s: %s"
+        )
+        shown = (
             countdown,
             int(self.request.retries or 0) + 1,
             log_text(event_id),
             log_text(self.consumer_name),
             log_text(error),
         )
+        # While the database is unreachable every delivery comes here: one WARNING line for
+        # the outage, this line at DEBUG, and one line when a delivery succeeds again.
+        if note_outage(self.database, error, "deliveries retried", message, *shown):
+            # Drop the lost connection now: the next delivery this process runs opens a new
+            # one. Left to the worker's own clean-up, a pool child was seen failing every later
+            # delivery with "the connection is lost" long after the database was back.
+            connections[self.database or DEFAULT_DB_ALIAS].close()
+        else:
+            logger.warning(message, *shown)
         # Unbounded on purpose: the message waits for the database, however long it is down.
         raise self.retry(
             args=args,

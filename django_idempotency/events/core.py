@@ -84,6 +84,7 @@ from django_idempotency.events.ids import (
 )
 from django_idempotency.events.store import PARKED, PROCESSED, RESERVED, Delivery
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed, log_text
+from django_idempotency.outages import Outage, connection_lost
 from django_idempotency.pg_roundtrips import apart_may_travel
 
 __all__ = [
@@ -127,6 +128,24 @@ def _ttl(ttl: timedelta | float | None) -> timedelta:
 
 def _alias(using: str | None) -> str:
     return using if using is not None else conf.DATABASE
+
+
+OUTAGE = Outage("django_idempotency consumers", logger)
+"""This process's outages of the consumers' database: one WARNING line when one starts, its
+other errors at DEBUG, one line when a delivery succeeds again (issue 35: a 5-second outage
+under load logged 320 warnings and 1,280 tracebacks)."""
+
+
+def note_outage(
+    using: str | None, exc: BaseException, tally: str, message: str, *args: Any
+) -> bool:
+    """If ``exc`` says that the database of ``using`` cannot be reached, note it in
+    :data:`OUTAGE` (``tally`` names what it cost, ``message % args`` is its DEBUG line) and
+    return True; else return False, and the caller logs the error as it always did."""
+    if not connection_lost(connections[_alias(using)], exc):
+        return False
+    OUTAGE.failed(exc, tally, message, *args)
+    return True
 
 
 # --- The reservation ----------------------------------------------------------------------------
@@ -455,6 +474,7 @@ def process_event(
         telemetry.delivery(name, "failed")
         raise
 
+    OUTAGE.recovered()
     if not applied:
         _duplicate_ignored(event, name, topic_value)
     else:
@@ -652,13 +672,11 @@ def _fail_first_delivery(
             park = delivery.count >= limit and not delivery.parked
             kept = None if delivery.parked and not ran else error
             event_store.fail_reserved(alias, name, event, kept, park=park)
-    except DatabaseError:
-        logger.warning(
-            "could not count the failed delivery of event %s for consumer %s",
-            log_text(event),
-            log_text(name),
-            exc_info=True,
-        )
+    except DatabaseError as exc:
+        message = "could not count the failed delivery of event %s for consumer %s"
+        shown = log_text(event), log_text(name)
+        if not note_outage(alias, exc, "failed deliveries not counted", message, *shown):
+            logger.warning(message, *shown, exc_info=True)
         return None
     if park:
         _parked(delivery, limit, newly=True)
@@ -671,13 +689,11 @@ def _count_skipped(event: str, name: str, topic: str, ttl: Any, alias: str) -> D
     parked (every delivery of a parked event is counted). None if the count failed (logged)."""
     try:
         return count_delivery(event, name, topic=topic, ttl=ttl, using=alias)
-    except DatabaseError:
-        logger.warning(
-            "could not count the delivery of event %s for consumer %s",
-            log_text(event),
-            log_text(name),
-            exc_info=True,
-        )
+    except DatabaseError as exc:
+        message = "could not count the delivery of event %s for consumer %s"
+        shown = log_text(event), log_text(name)
+        if not note_outage(alias, exc, "deliveries not counted", message, *shown):
+            logger.warning(message, *shown, exc_info=True)
         return None
 
 

@@ -13,8 +13,17 @@ compensations run, the ``flow-failed`` problem is stored). The ``idempotency_com
 command and the ``django_idempotency.complete_flows`` Celery task are thin wrappers.
 
 Limits: the view is called directly, without middleware, session, cookies or headers other
-than the content type and the idempotency key; ``request.user`` is the user loaded by primary
-key (or anonymous); views must be function views.
+than the content type and the idempotency key; views must be function views.
+
+``request.user`` is the principal the run stored: the model's label and primary key, loaded
+again from that model (:func:`load_principal`). When it cannot be, because the label names no
+model any more, the row is gone, its primary key no longer matches exactly, it is inactive
+(``is_active`` false, where the model has one) or not authenticated, or the run was stored
+before the label was (only a primary key: its model is unknown), the run is never resumed as
+anyone: it is rolled forward to failure at once, with its compensations, as an anonymous
+request (outcome ``refused``). Decorators outside ``@idempotent`` and middleware do not run,
+so whatever they check (``@login_required``, permissions, a revoked API key) is not checked
+again; see docs/flows.md.
 """
 
 from __future__ import annotations
@@ -25,9 +34,9 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from django.contrib.auth import get_user_model
+from django.apps import apps
 from django.contrib.auth.models import AnonymousUser
-from django.db.models import Exists, OuterRef
+from django.core.exceptions import ValidationError
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.test import RequestFactory
@@ -43,8 +52,15 @@ from django_idempotency.flows.phases import get_flow_view, run, stored_view_args
 from django_idempotency.http.core import REPLAYED_HEADER, Command
 from django_idempotency.managers import DatabaseNow
 from django_idempotency.models import FlowRun, IdempotencyRecord
+from django_idempotency.protection.core import Undecryptable, flow_context, open_value
 
-__all__ = ["Completion", "abandoned", "complete_abandoned", "rebuild_request"]
+__all__ = [
+    "Completion",
+    "abandoned",
+    "complete_abandoned",
+    "load_principal",
+    "rebuild_request",
+]
 
 logger = logging.getLogger("django_idempotency")
 
@@ -65,8 +81,10 @@ class Completion:
     outcome: str
     """``completed``, ``failed`` (rolled forward), ``replayed`` (someone finished it first),
     ``busy`` (a retry holds it now), ``paused`` (the view returned a 5xx, 401, 403, 409 or
-    429 again: counted as an attempt, like a raise), ``raised``
-    or ``unavailable`` (its view cannot be found or its request rebuilt)."""
+    429 again: counted as an attempt, like a raise), ``raised``,
+    ``unavailable`` (its view cannot be found or its request rebuilt) or ``refused`` (its
+    principal cannot be loaded as it was, see :func:`load_principal`: rolled forward to
+    failure with its compensations, ``detail`` says why)."""
     status: int | None = None
     detail: str = ""
 
@@ -115,7 +133,7 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
 
     try:
         view = get_flow_view(run_row.flow)
-        request = rebuild_request(run_row, record)
+        request, refusal = _rebuild(run_row, record)
     except (LookupError, ValueError) as exc:
         logger.error(
             "completer cannot finish flow %s (record %s): %s",
@@ -124,7 +142,7 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
             log_text(exc),
         )
         return outcome("unavailable", detail=str(exc))
-    stored_args = stored_view_args(run_row.request)
+    stored_args = stored_view_args(stored_request(run_row))
     assert stored_args is not None  # rebuild_request refused a run without them
     args, kwargs = stored_args
     command = Command(
@@ -134,9 +152,22 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         path=record.path,
         fingerprint=record.fingerprint,
     )
+    if refusal:
+        logger.warning(
+            "completer refuses to resume flow %s (record %s) and rolls it forward: %s",
+            log_text(run_row.flow),
+            record.pk,
+            log_text(refusal),
+        )
     try:
         response = run(
-            view, request, command, tuple(args), kwargs, failing=run_row.attempts >= max_attempts
+            view,
+            request,
+            command,
+            tuple(args),
+            kwargs,
+            failing=bool(refusal) or run_row.attempts >= max_attempts,
+            refused=bool(refusal),
         )
     except Exception as exc:  # reported, counted on the run, retried next time
         logger.exception(
@@ -154,7 +185,10 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         .values_list("state", flat=True)
     )
     names = {FlowRun.State.COMPLETED.value: "completed", FlowRun.State.FAILED.value: "failed"}
-    return outcome(names.get(str(state.first()), "paused"), status)
+    name = names.get(str(state.first()), "paused")
+    if refusal and name == "failed":
+        return outcome("refused", status, refusal)
+    return outcome(name, status)
 
 
 def _in_progress(response: HttpResponseBase) -> bool:
@@ -173,8 +207,59 @@ IN_PROGRESS_TYPE = PROBLEM_TYPE_BASE + RequestInProgress.slug
 
 
 def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:
-    """The request a flow run was started by, as far as it was stored."""
-    data = run_row.request
+    """The request a flow run was started by, as far as it was stored.
+
+    ``request.user`` is its principal loaded again (:func:`load_principal`), or anonymous when
+    the run had none or its principal is refused.
+    """
+    return _rebuild(run_row, record)[0]
+
+
+def load_principal(data: dict[str, Any]) -> tuple[Any, str]:
+    """The principal a run stored, loaded again: ``(principal, "")`` or ``(None, why not)``.
+
+    A run stores its principal as the model's label (``"principal"``, e.g. ``"auth.user"``)
+    and primary key (``"user"``); ``(None, "")`` is a run started anonymously. It is refused
+    when the label names no installed model any more (an app renamed, a model removed), no
+    row of that model has the key (deleted; or its default manager hides it), the row found
+    does not have exactly that key (a case-insensitive or padding collation matched another
+    spelling), it is inactive (``is_active`` false, where the model has one), or it is not
+    authenticated. A run stored without the label (a principal that is no model instance, or
+    a run written by an earlier version, which stored the key alone) is refused too: it may
+    have been written for any model an authentication middleware set as ``request.user``, and
+    loading it from ``AUTH_USER_MODEL`` resumed an API client's flow as the user with the same
+    key.
+    """
+    pk = data.get("user")
+    if pk is None:
+        return None, ""
+    label = data.get("principal")
+    if not label or not isinstance(label, str):
+        return None, (
+            "the run stored its principal's primary key without its model (a principal that "
+            "is no model instance, or a run written before the model was stored), so it "
+            "cannot be loaded as the same principal"
+        )
+    try:
+        model = apps.get_model(label)
+    except (LookupError, ValueError):
+        return None, f"the run's principal model {label!r} is not installed any more"
+    try:
+        principal = model._default_manager.filter(pk=pk).first()
+    except (TypeError, ValueError, ValidationError):  # the key does not fit the model's any more
+        principal = None
+    if principal is None or str(principal.pk) != str(pk):
+        return None, f"the run's principal ({label} {pk!r}) no longer exists"
+    if not getattr(principal, "is_active", True):
+        return None, f"the run's principal ({label} {pk!r}) is inactive"
+    if not getattr(principal, "is_authenticated", False):
+        return None, f"the run's principal ({label} {pk!r}) is not authenticated"
+    return principal, ""
+
+
+def _rebuild(run_row: FlowRun, record: IdempotencyRecord) -> tuple[HttpRequest, str]:
+    """The stored request, and why its principal is refused ("" when it is not)."""
+    data = stored_request(run_row)
     if not data or data.get("view_args") is None:
         raise ValueError("the run did not store its request (its URL arguments are not JSON)")
     if data.get("body") is None:
@@ -193,24 +278,32 @@ def rebuild_request(run_row: FlowRun, record: IdempotencyRecord) -> HttpRequest:
         secure=bool(data["secure"]),
         **meta,
     )
-    user: Any = AnonymousUser()
-    if data.get("user") is not None:
-        model = get_user_model()
-        user = model._default_manager.filter(pk=data["user"]).first() or AnonymousUser()
-    request.user = user
-    return request
+    principal, refusal = load_principal(data)
+    request.user = AnonymousUser() if principal is None else principal
+    return request, refusal
+
+
+def stored_request(run_row: FlowRun) -> dict[str, Any]:
+    """What the run stored of its request, decrypted if it was stored encrypted
+    (:mod:`django_idempotency.protection`); ValueError when no configured key opens it."""
+    try:
+        data = open_value(run_row.request, flow_context(run_row.record_id, "request"))
+    except Undecryptable as error:
+        raise ValueError(
+            f"the run's stored request cannot be decrypted ({error}): put the key with id "
+            f"{error.key_id} back in ENCRYPTION_KEYS to finish it"
+        ) from None
+    return data if isinstance(data, dict) else {}
 
 
 def delete_orphans(using: str | None = None, batch_size: int = 1000) -> int:
-    """Delete runs whose record the purge deleted; returns how many."""
+    """Delete one batch of runs whose record is gone; returns how many.
+
+    The purge and every ORM delete take a record's run with it, and the purge deletes the
+    runs whose record was deleted otherwise (in raw SQL, or by a version whose purge kept
+    them) in its own batches: this is the same batch, run by the completer too, so that a
+    site that schedules only the completer keeps no orphan either.
+    """
     alias = using or conf.DATABASE
-    records = IdempotencyRecord.objects.using(alias).filter(pk=OuterRef("record_id"))
-    orphans = list(
-        FlowRun.objects.using(alias)
-        .filter(~Exists(records))
-        .values_list("pk", flat=True)[:batch_size]
-    )
-    if not orphans:
-        return 0
-    deleted, _ = FlowRun.objects.using(alias).filter(pk__in=orphans).delete()
+    _, deleted = FlowRun.objects.using(alias)._delete_batch(alias, batch_size)
     return deleted

@@ -78,6 +78,7 @@ from django_idempotency.events.core import try_reserve
 from django_idempotency.exceptions import (
     ProblemError,
     RequestInProgress,
+    ResponseUndecryptable,
     StaleClaim,
     error_text,
     log_text,
@@ -96,6 +97,13 @@ from django_idempotency.http.handler import (
 )
 from django_idempotency.http.store import SERIALIZATION_FAILURE, _sqlstate
 from django_idempotency.models import FlowRun, IdempotencyRecord
+from django_idempotency.protection.core import (
+    Undecryptable,
+    flow_context,
+    open_value,
+    seal_value_if_keys,
+    stored_response,
+)
 
 __all__ = [
     "Flow",
@@ -289,11 +297,15 @@ def run(
     kwargs: dict[str, Any],
     *,
     failing: bool = False,
+    refused: bool = False,
 ) -> HttpResponseBase:
     """Claim ``command`` and run (or resume) the flow; the completer calls this too.
 
     ``failing`` rolls the flow forward to failure at its first phase not done (the completer
-    sets it once a run has failed ``max_attempts`` times).
+    sets it once a run has failed ``max_attempts`` times). ``refused`` (with ``failing``: the
+    completer refuses the run's principal) rolls it forward whatever the view answers: a view
+    that returns before its first phase not done (a check of the anonymous user it now gets)
+    must not leave the done phases in place as a stored success.
     """
     core = _FlowCore(policy(view.options), request=request)
 
@@ -301,6 +313,12 @@ def run(
         assert core.claim is not None
         flow = Flow(core, command, core.claim, view, request, args, kwargs, failing=failing)
         core.flow = flow
+        if flow._unopened:  # recorded: the run pauses, its record kept
+            raise ResponseUndecryptable(
+                "This request's earlier steps were stored encrypted with a key that is no "
+                "longer configured, so it cannot be resumed. Do not retry it; look the result "
+                "up instead."
+            )
         try:
             response = view.func(request, flow, *args, **kwargs)
         except _RollForward as stop:
@@ -312,7 +330,7 @@ def run(
                 "flow %s raised while rolling forward to failure", log_text(view.name)
             )
             return flow._roll_forward(None)
-        if failing and flow.recorded and not flow.failed and core.paused_by(response):
+        if failing and flow.recorded and not flow.failed and (refused or core.paused_by(response)):
             # Every phase is done, yet the view answers an error once more: pausing again would
             # rerun it on every pass of the completer, for ever.
             return flow._roll_forward(None)
@@ -380,12 +398,15 @@ class _FlowCore(Idempotency):
             with transaction.atomic(using=self.policy.using):
                 assert self.flow is not None
                 self.flow._set_state(FlowRun.State.FAILED)
+                headers, body = stored_response(
+                    command.owner, command.key, dict(captured.headers), captured.body
+                )
                 self.store.complete(
                     claim.record_id,
                     claim.token,
                     status=captured.status,
-                    headers=dict(captured.headers),
-                    body=captured.body,
+                    headers=headers,
+                    body=body,
                 )
         except StaleClaim:
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
@@ -460,6 +481,8 @@ class Flow:
     _seen: set[str] = field(default_factory=set)
     _done: list[_Done] = field(default_factory=list)
     _keys: dict[str, str] = field(default_factory=dict)
+    _unopened: bool = False
+    """The run's stored results could not be decrypted: it must not run (see run())."""
 
     def __post_init__(self) -> None:
         if self.claim is not None:
@@ -587,7 +610,21 @@ class Flow:
             FlowRun.objects.using(self._alias).filter(pk=run.pk).delete()
             return
         self._run_id = run.pk
-        self._results = dict(run.results)
+        try:
+            results = open_value(run.results, flow_context(run.record_id, "results"))
+        except Undecryptable as error:
+            # Its phases' results are lost to this process: resuming would run done phases
+            # again. run() refuses it, and the run pauses, kept for a key that opens it.
+            logger.error(
+                "idempotency undecryptable flow run id=%s record=%s key_id=%s: %s",
+                run.pk,
+                run.record_id,
+                error.key_id,
+                log_text(error),
+            )
+            self._unopened = True
+            return
+        self._results = dict(results)
         self._started = run.started
         self.recovery_point = run.recovery_point
         self.resumed = True
@@ -660,7 +697,11 @@ class Flow:
         results = dict(self._results)
         if result is not None:
             results[result[0]] = result[1]
-        values: dict[str, Any] = {"results": results, "updated_at": timezone.now()}
+        context = flow_context(self._record_id, "results")
+        values: dict[str, Any] = {
+            "results": seal_value_if_keys(results, context),
+            "updated_at": timezone.now(),
+        }
         if recovery_point is not None:
             values["recovery_point"] = recovery_point
         if started is not None:
@@ -671,7 +712,9 @@ class Flow:
                 record_id=self._record_id,
                 flow=self.view.name,
                 fingerprint=self.command.fingerprint,
-                request=self._request_data(),
+                request=seal_value_if_keys(
+                    self._request_data(), flow_context(self._record_id, "request")
+                ),
                 **values,
             )
             self._run_id = run.pk
@@ -742,6 +785,7 @@ class Flow:
         """
         request = django_request(self.request)
         user = getattr(self.request, "user", None)
+        authenticated = bool(getattr(user, "is_authenticated", False))
         try:
             view_args: str | None = json.dumps(
                 [list(self.args), self.kwargs], ensure_ascii=True, allow_nan=False
@@ -761,11 +805,20 @@ class Flow:
             # None: too large to store (see _stored_body); the completer reports the run as
             # unavailable, and the client's retry resumes it.
             "body": None if body is None else base64.b64encode(body).decode("ascii"),
-            "user": str(getattr(user, "pk", ""))
-            if getattr(user, "is_authenticated", False)
-            else None,
+            # The principal: its model's label and primary key. The completer loads it again
+            # from that model, and refuses a run whose principal it cannot load as it was.
+            "user": str(getattr(user, "pk", "")) if authenticated else None,
+            "principal": principal_label(user) if authenticated else None,
             "view_args": view_args,
         }
+
+
+def principal_label(user: Any) -> str | None:
+    """The model label a run stores for its principal; None for an object that is no model
+    instance, which the completer then cannot load and refuses."""
+    if isinstance(user, Model):
+        return str(user._meta.label_lower)
+    return None
 
 
 MULTIPART_BOUNDARY = "django-idempotency-stored-form"

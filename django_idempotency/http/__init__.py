@@ -2,7 +2,8 @@
 
 Read top down, each layer calls only the ones below it:
 
-* adapters: :mod:`.decorators` (``@idempotent``), :mod:`.middleware`, :mod:`.drf`;
+* adapters: :mod:`.decorators` (``@idempotent``), :mod:`.middleware`, :mod:`.drf`,
+  :mod:`.ninja`;
 * :mod:`.handler`: turns a Django request into a :class:`~.core.Command` and a stored
   :class:`~.core.Replay` back into a response (with :mod:`.keys`, :mod:`.owner` and
   :mod:`.fingerprint`);

@@ -3,9 +3,11 @@
 ======================  =====================================================================
 ID                      Meaning
 ======================  =====================================================================
-django_idempotency.W020 The middleware handles DRF views before their permission checks.
+django_idempotency.W020 The middleware replays DRF views before their throttles and object checks.
 django_idempotency.E021 A lease-mode method view runs under ``ATOMIC_REQUESTS``.
 django_idempotency.W022 A middleware below ``IdempotencyMiddleware`` defines process_exception.
+django_idempotency.W023 A middleware below ``IdempotencyMiddleware`` changes which view a path is.
+django_idempotency.W024 Django-ninja operations under ``PATHS`` without Ninja's ``idempotent``.
 ======================  =====================================================================
 
 IDs E020-E029 / W020-W029 belong to the HTTP adapters. ``AppConfig.ready()`` imports this
@@ -61,7 +63,7 @@ def _named(paths: list[str]) -> str:
 
 @register(Tags.urls)
 def check_http_views(app_configs: Any = None, **kwargs: Any) -> list[CheckMessage]:
-    """W020, E021, W022: set-ups in which a view would get a stored response it should not."""
+    """W020-W024: set-ups in which a view would get a stored response it should not."""
     messages: list[CheckMessage] = []
     try:
         paths = conf.PATHS
@@ -73,6 +75,8 @@ def check_http_views(app_configs: Any = None, **kwargs: Any) -> list[CheckMessag
     if MIDDLEWARE_PATH in middleware:
         messages.extend(_drf_views_under_the_middleware(views, paths))
         messages.extend(_exception_middleware_below(middleware))
+        messages.extend(_urlconf_middleware_below(middleware))
+        messages.extend(_ninja_operations_under_the_middleware(views, paths))
     messages.extend(_lease_views_in_atomic_requests(views, database))
     return messages
 
@@ -105,9 +109,10 @@ def _drf_views_under_the_middleware(views: list[tuple[str, Any]], paths: Any) ->
         return []
     return [
         Warning(
-            f"IdempotencyMiddleware handles DRF views before DRF checks their permissions: "
-            f"{_named(exposed)}. A client that lost a permission still gets the stored "
-            "response replayed.",
+            f"IdempotencyMiddleware replays to DRF views before their throttles and their "
+            f"object-level permissions run: {_named(exposed)}. It runs their authentication "
+            "and permission classes first, but a client that lost access to the object, or "
+            "is over its rate, still gets its own stored response replayed.",
             hint="Add django_idempotency.http.drf.IdempotentMixin to these views (first among the "
             "bases): the stored response is then reached only after DRF's authentication, "
             "permission and throttle checks. See docs/security.md.",
@@ -173,3 +178,86 @@ def _exception_middleware_below(middleware: list[str]) -> list[Warning]:
             id="django_idempotency.W022",
         )
     ]
+
+
+#: Middlewares known to set ``request.urlconf`` (per-host URLs).
+URLCONF_MIDDLEWARE = ("django_hosts.middleware.HostsRequestMiddleware",)
+
+
+def _urlconf_middleware_below(middleware: list[str]) -> list[Warning]:
+    """W023: a middleware below ours that makes Django resolve a path to another view."""
+    from django.conf.urls.i18n import is_language_prefix_patterns_used
+    from django.middleware.locale import LocaleMiddleware
+    from django.urls import Resolver404
+
+    below = []
+    for path in middleware[middleware.index(MIDDLEWARE_PATH) + 1 :]:
+        try:
+            middleware_class = import_string(path)
+        except ImportError:
+            continue  # Django reports it
+        if path in URLCONF_MIDDLEWARE:
+            below.append(path)
+        elif isinstance(middleware_class, type) and issubclass(middleware_class, LocaleMiddleware):
+            root = getattr(settings, "ROOT_URLCONF", None)
+            try:
+                prefixed = bool(root) and is_language_prefix_patterns_used(str(root))[0]
+            except (ImportError, Resolver404):  # pragma: no cover - Django's URL checks say why
+                prefixed = False
+            if prefixed:
+                below.append(path)
+    if not below:
+        return []
+    return [
+        Warning(
+            f"{', '.join(below)} come after IdempotencyMiddleware and change which view a path "
+            "is (request.urlconf, or the language prefix of i18n_patterns). IdempotencyMiddleware "
+            "decides the owner for the view it resolves before they run: each request whose "
+            "view then differs is refused with ImproperlyConfigured.",
+            hint=f"Move {MIDDLEWARE_PATH!r} after them in MIDDLEWARE.",
+            id="django_idempotency.W023",
+        )
+    ]
+
+
+def _ninja_operations_under_the_middleware(
+    views: list[tuple[str, Any]], paths: Any
+) -> list[Warning]:
+    """W024: Ninja operations under PATHS that only Ninja's own decorator makes idempotent."""
+    from django_idempotency.http.handler import OPTIONS_ATTRIBUTE
+    from django_idempotency.http.middleware import is_ninja_view
+
+    bare = []
+    for path, func in views:
+        if not any(pattern.search(path) for pattern in paths) or not is_ninja_view(func):
+            continue
+        for operation in _ninja_operations(func):
+            methods = set(getattr(operation, "methods", ())) & set(conf.METHODS)
+            if methods and not hasattr(operation.view_func, OPTIONS_ATTRIBUTE):
+                bare.append(f"{'/'.join(sorted(methods))} {path}")
+    if not bare:
+        return []
+    return [
+        Warning(
+            f"IdempotencyMiddleware leaves django-ninja operations to Ninja, and these under "
+            f"PATHS are not idempotent: {_named(bare)}. The middleware runs before Ninja's "
+            "authentication, so it cannot tell whose key a request is.",
+            hint="Decorate them with django_idempotency.http.ninja.idempotent (it runs after "
+            "Ninja's authentication), or take their paths out of IDEMPOTENCY['PATHS'].",
+            id="django_idempotency.W024",
+        )
+    ]
+
+
+def _ninja_operations(func: Any) -> list[Any]:
+    """The operations of a django-ninja URL view: its ``PathView``'s, found in its closure."""
+    import inspect
+
+    operations: list[Any] = []
+    for cell in getattr(inspect.unwrap(func), "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        operations.extend(getattr(value, "operations", None) or ())
+    return operations

@@ -27,6 +27,10 @@ the response with a compare-and-swap on the token. After a crash the claim stays
 runs out; the next retry then takes it over with a new token. If the first holder wakes up
 later, its compare-and-swap fails: its transaction (the view's database writes included) rolls
 back and its client gets a 409, so it can never overwrite the new holder's result.
+
+Why this module is long: every outcome of a claim (replay, reuse, wait, take-over, erased,
+undecryptable, database unavailable) is decided here, in one state machine over one record;
+splitting the outcomes over files would hide which of them a request can reach.
 """
 
 from __future__ import annotations
@@ -36,18 +40,20 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections, transaction
+from django.db import DatabaseError, connections, transaction
 
 from django_idempotency import signals, telemetry
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import (
+    DatabaseUnavailable,
     KeyReused,
     RequestInProgress,
     ResponseNotStored,
@@ -57,6 +63,8 @@ from django_idempotency.exceptions import (
 from django_idempotency.http.owner import display_owner
 from django_idempotency.http.store import ClaimResult, ClaimValues, Existing, RecordStore
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.outages import describe
+from django_idempotency.protection import core as protection
 
 logger = logging.getLogger("django_idempotency")
 
@@ -252,35 +260,137 @@ class Idempotency:
             )
         token = uuid.uuid4()
         atomic = transaction.atomic(using=self.policy.using)
-        atomic.__enter__()
+        # The span and the duration cover the transaction's start too: on MariaDB it is a round
+        # trip of its own (autocommit off), and it is where a dead connection is met first.
+        lost: BaseException | None = None
         try:
             with telemetry.timed("claim"):
-                result = self.store.claim(
-                    owner=command.owner,
-                    key=command.key,
-                    fingerprint=command.fingerprint,
-                    method=command.method,
-                    path=command.path,
-                    token=token,
-                    ttl=self.policy.ttl,
-                    lease=lease,
-                )
+                try:
+                    atomic.__enter__()  # opens the connection if need be
+                except DatabaseError as exc:
+                    lost = exc if self.store.unreachable(exc) else None
+                    raise
+                try:
+                    result = self.store.claim(
+                        owner=command.owner,
+                        key=command.key,
+                        fingerprint=command.fingerprint,
+                        method=command.method,
+                        path=command.path,
+                        token=token,
+                        ttl=self.policy.ttl,
+                        lease=lease,
+                    )
+                except BaseException as exc:
+                    lost = exc if self.store.unreachable(exc) else None
+                    try:
+                        atomic.__exit__(*sys.exc_info())
+                    except DatabaseError:
+                        if lost is None:
+                            raise
+                    raise
         except BaseException:
-            atomic.__exit__(*sys.exc_info())
+            if lost is not None:  # outside the claim's span, which ended with the error
+                self._unavailable(command, lost)
             raise
         if not result.claimed:
             atomic.__exit__(None, None, None)
+            if result.busy:
+                self._unavailable(command, None, result.cause)
             return self._refuse(command, result, final=final)
         if result.existing is not None:
             self._log(command, "taken_over", record=result.record_id)
         if lease is not None:
-            atomic.__exit__(None, None, None)  # commit the claim; the view gets its own
-            atomic = transaction.atomic(using=self.policy.using)
-            atomic.__enter__()
+            try:
+                atomic.__exit__(None, None, None)  # commit the claim; the view gets its own
+                atomic = transaction.atomic(using=self.policy.using)
+                atomic.__enter__()
+            except DatabaseError as exc:
+                # The claim's COMMIT (or the view's BEGIN) lost the database. The claim may
+                # have committed: a retry with the same key gets 409 until its lease runs out,
+                # then takes it over.
+                if self.store.unreachable(exc):
+                    self._unavailable(command, exc)
+                raise
         return _Claim(result.record_id, token, atomic, result.deferred)
+
+    def _unavailable(
+        self,
+        command: Command,
+        exc: BaseException | None,
+        busy: str = "",
+        *,
+        saving: bool = False,
+    ) -> None:
+        """Raise :class:`DatabaseUnavailable` (503, ``Retry-After``) for ``exc``, an error that
+        says the database cannot be reached (:meth:`RecordStore.unreachable`), or, with ``exc``
+        None, for a claim too busy to take the key's lock (MariaDB, :attr:`ClaimResult.busy`).
+
+        ``saving``: the view ran, and the database was lost while its response was stored or
+        its transaction committed (a COMMIT whose answer never came may have taken effect).
+        Either way a retry with the same key is right: it replays what committed, or runs a
+        request that did not.
+
+        One WARNING line names the cause; the traceback goes to DEBUG.
+        """
+        if exc is None:
+            cause = busy or "another transaction's lock stayed in the way"
+        else:
+            cause = describe(exc)
+            connection = connections[self.policy.using]
+            if connection.in_atomic_block:
+                # The caller's transaction (ATOMIC_REQUESTS) must roll back, not fail its COMMIT
+                # (a 500 after this 503); its failed ROLLBACK drops the connection.
+                connection.needs_rollback = True
+            else:
+                # Drop the dead connection now (MySQLdb's rollback does not notice it is
+                # gone), so the next query on this thread opens a new one instead of failing
+                # with "server has gone away".
+                connection.close()
+        self._log(
+            command, "unavailable", level=logging.WARNING, database=self.policy.using, cause=cause
+        )
+        if exc is not None:
+            logger.debug("idempotency: the claim's database error", exc_info=exc)
+        # The cause stays in the log: a driver's message names hosts, ports and databases.
+        if saving:
+            raise DatabaseUnavailable(
+                "The database was lost while this request's result was being saved, so whether "
+                "it took effect is unknown. Retry with the same idempotency key after the delay "
+                "in the Retry-After header: a result that was saved is replayed, a request that "
+                "was not runs again.",
+                retry_after=self.policy.retry_after,
+            ) from exc
+        reason = "was too busy to claim" if exc is None else "could not be reached to claim"
+        raise DatabaseUnavailable(
+            f"The database {reason} this idempotency key. Nothing was run; retry with the same "
+            "key after the delay in the Retry-After header.",
+            retry_after=self.policy.retry_after,
+        ) from exc
+
+    @contextmanager
+    def request_transaction(self, command: Command) -> Iterator[None]:
+        """The request's transaction (``ATOMIC_REQUESTS``), opened here instead of by Django
+        (:func:`~django_idempotency.http.handler.request_transaction`): a database that cannot
+        be reached then is answered as at the claim (503), not with Django's 500."""
+        atomic = transaction.atomic(using=self.policy.using)
+        try:
+            atomic.__enter__()
+        except DatabaseError as exc:
+            if self.store.unreachable(exc):
+                self._unavailable(command, exc)
+            raise
+        try:
+            yield
+        except BaseException:
+            atomic.__exit__(*sys.exc_info())
+            raise
+        self._commit(command, atomic)
 
     def _refuse(self, command: Command, result: ClaimResult, *, final: bool) -> Replay | None:
         existing = result.existing
+        if existing and not existing.expired and protection.ERASED in existing.response_headers:
+            return self._replay(command, existing)  # no fingerprint left to compare: 410
         if (
             existing is not None
             and not existing.expired
@@ -305,9 +415,19 @@ class Idempotency:
         )
 
     def _replay(self, command: Command, existing: Existing) -> Replay:
-        headers = dict(existing.response_headers)
+        stored, body = existing.response_headers, existing.response_body
+        try:  # sealed or erased (django_idempotency.protection): opened, or a problem
+            if protection.protected(stored):
+                stored, body = protection.open_response(command.owner, command.key, stored, body)
+        except (protection.Erased, protection.Undecryptable) as error:
+            lost = isinstance(error, protection.Undecryptable)  # an operator's doing: ERROR
+            outcome, level = ("undecryptable", logging.ERROR) if lost else ("erased", logging.INFO)
+            extra = {"record": existing.id, "key_id": getattr(error, "key_id", None)}
+            self._log(command, outcome, level=level, **extra)
+            raise protection.replay_problem(error, existing.response_status) from None
+        headers = dict(stored)
         reason = headers.pop(NOT_REPLAYABLE, None)
-        if reason is not None or existing.response_body is None:
+        if reason is not None or body is None:
             self._log(command, "not_replayable", record=existing.id)
             raise ResponseNotStored(
                 "The request with this idempotency key was already processed, but its response "
@@ -320,7 +440,7 @@ class Idempotency:
         return Replay(
             status=existing.response_status or 200,
             headers={**headers, REPLAYED_HEADER: "true"},
-            body=existing.response_body,
+            body=body,
         )
 
     def _finish(self, command: Command, claim: _Claim, captured: Captured) -> None:
@@ -343,13 +463,16 @@ class Idempotency:
                 headers = dict(captured.headers)
                 if captured.body is None:
                     headers[NOT_REPLAYABLE] = captured.not_replayable_reason or "not stored"
+                headers, body = protection.stored_response(
+                    command.owner, command.key, headers, captured.body
+                )
                 with telemetry.timed("store"):
                     claim.record_id = self.store.complete(
                         claim.record_id,
                         claim.token,
                         status=captured.status,
                         headers=headers,
-                        body=captured.body,
+                        body=body,
                         commit=True,  # leaving claim.atomic, next, commits
                         deferred=claim.deferred,
                     )
@@ -362,15 +485,35 @@ class Idempotency:
                 "back. Retry after the delay in the Retry-After header to get the result.",
                 retry_after=policy.retry_after,
             ) from None
+        except DatabaseError as exc:
+            lost = self.store.unreachable(exc)
+            try:
+                claim.atomic.__exit__(*sys.exc_info())
+            except DatabaseError:
+                if not lost:
+                    raise
+            if lost:
+                self._unavailable(command, exc, saving=True)
+            raise
         except BaseException:
             claim.atomic.__exit__(*sys.exc_info())
             raise
-        claim.atomic.__exit__(None, None, None)
+        self._commit(command, claim.atomic)
         if release_after:
             self._release_quietly(command, claim)
         self._log(command, outcome, record=claim.record_id, status=captured.status)
         if outcome.startswith("stored"):
             signals.record_stored.send(IdempotencyRecord, **self._signal_kwargs(command))
+
+    def _commit(self, command: Command, atomic: Any) -> None:
+        """Leave the view's transaction (its COMMIT, or a savepoint's release under
+        ``ATOMIC_REQUESTS``); a lost database there is a 503, not the driver's error."""
+        try:
+            atomic.__exit__(None, None, None)
+        except DatabaseError as exc:
+            if self.store.unreachable(exc):
+                self._unavailable(command, exc, saving=True)
+            raise
 
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         """The view (or capturing its response) raised: roll back, and free a lease claim."""

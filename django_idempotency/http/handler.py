@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Iterable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import lru_cache, partial
@@ -18,6 +19,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connections, transaction
 from django.http import HttpRequest, HttpResponse
 from django.http.request import HttpHeaders, RawPostDataException
 from django.http.response import HttpResponseBase
@@ -129,10 +131,14 @@ class Options:
 
 
 class LeaseDatabases(set[str]):
-    """The ``_non_atomic_requests`` of a lease-mode view, as ``transaction.non_atomic_requests``
-    sets it: ``ATOMIC_REQUESTS`` then leaves the view out of a transaction on
-    ``IDEMPOTENCY["DATABASE"]`` (read per request, so ``override_settings`` works), where the
-    claim must commit before the view runs. Aliases added by ``non_atomic_requests`` count too.
+    """The ``_non_atomic_requests`` of a view the library handles, as
+    ``transaction.non_atomic_requests`` sets it: ``ATOMIC_REQUESTS`` then leaves the view out of
+    a transaction on ``IDEMPOTENCY["DATABASE"]`` (read per request, so ``override_settings``
+    works). Aliases added by ``non_atomic_requests`` count too, and are its members.
+
+    In lease mode the claim must commit before the view runs. In atomic mode the library opens
+    the request's transaction itself (:func:`request_transaction`), so that a database that
+    cannot be reached when it opens gets the claim's 503, not Django's 500.
     """
 
     def __contains__(self, alias: object) -> bool:
@@ -140,8 +146,30 @@ class LeaseDatabases(set[str]):
 
 
 def mark_non_atomic(view: Any) -> None:
-    """Exclude ``view`` from ``ATOMIC_REQUESTS`` on the database lease mode claims on."""
+    """Leave ``view`` out of ``ATOMIC_REQUESTS`` on ``IDEMPOTENCY["DATABASE"]`` (see
+    :class:`LeaseDatabases`)."""
     view._non_atomic_requests = LeaseDatabases(getattr(view, "_non_atomic_requests", ()))
+
+
+def request_transaction(request: Any, options: Options) -> bool:
+    """Whether the library opens the request's transaction on ``IDEMPOTENCY["DATABASE"]``:
+    the alias has ``ATOMIC_REQUESTS``, and Django left the view out of it only because the
+    library marked the view (:func:`mark_non_atomic`, atomic mode), not because the project did
+    (``transaction.non_atomic_requests``, an explicit member of the set).
+
+    Django opens that transaction before the view, so before a decorated view's claim: a
+    database that could not be reached failed there, with Django's 500. Opened here, with the
+    view, the claim and the stored response inside it as before, it is answered 503 with
+    ``Retry-After`` (:meth:`Idempotency.request_transaction`).
+    """
+    if not options.atomic:
+        return False
+    alias = conf.DATABASE
+    if not connections.settings.get(alias, {}).get("ATOMIC_REQUESTS"):
+        return False
+    match = getattr(django_request(request), "resolver_match", None)
+    marked = getattr(getattr(match, "func", None), "_non_atomic_requests", None)
+    return isinstance(marked, LeaseDatabases) and alias not in set(marked)
 
 
 def _duration(name: str, value: timedelta | float | None) -> timedelta | None:
@@ -195,12 +223,15 @@ def request_header(request: HttpRequest, name: str) -> str | None:
     return value
 
 
-def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
+def prepare(
+    request: Any, options: Options, owner_of: Callable[[Any], str] = resolve_owner
+) -> Command | HttpResponse | None:
     """Describe ``request`` for the core.
 
-    Returns None when the request is not handled (method not listed, no key on an optional
-    endpoint, or already handled by the middleware), or a problem response for a missing or
-    malformed key.
+    ``owner_of`` finds the owner scope; an adapter whose framework authenticates in its own way
+    (django-ninja's ``request.auth``) passes its own. Returns None when the request is not
+    handled (method not listed, no key on an optional endpoint, or already handled by the
+    middleware), or a problem response for a missing or malformed key.
     """
     http_request = django_request(request)
     if getattr(http_request, HANDLED, False):
@@ -224,7 +255,7 @@ def prepare(request: Any, options: Options) -> Command | HttpResponse | None:
         return exc.as_response()
     setattr(http_request, HANDLED, True)
     return Command(
-        owner=resolve_owner(request),
+        owner=owner_of(request),
         key=key,
         method=method,
         # The record and the logs keep the path without its query string, which may carry
@@ -262,19 +293,27 @@ def handle(
     view: Callable[[], HttpResponseBase],
     options: Options,
     view_self: Any = None,
+    owner_of: Callable[[Any], str] = resolve_owner,
 ) -> HttpResponseBase:
     """Run ``view`` for ``request`` under the core, synchronously."""
-    prepared = prepare(request, options)
+    prepared = prepare(request, options, owner_of)
+    opens = request_transaction(request, options)
     if prepared is None:
+        if opens:  # what ATOMIC_REQUESTS would have done
+            with transaction.atomic(using=conf.DATABASE):
+                return view()
         return view()
     if isinstance(prepared, HttpResponse):
         return prepared
     core = Idempotency(policy(options), request=request)
     try:
-        with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
-            result = core.run(
-                prepared, view, partial(capture, request=request, view_self=view_self)
-            )
+        with ExitStack() as stack:
+            if opens:
+                stack.enter_context(core.request_transaction(prepared))
+            with telemetry.span("idempotency.request", {"http.request.method": prepared.method}):
+                result = core.run(
+                    prepared, view, partial(capture, request=request, view_self=view_self)
+                )
     except ProblemError as exc:
         return exc.as_response()
     return replay_response(result) if isinstance(result, Replay) else result
@@ -285,9 +324,10 @@ async def ahandle(
     view: Callable[[], Awaitable[HttpResponseBase]],
     options: Options,
     view_self: Any = None,
+    owner_of: Callable[[Any], str] = resolve_owner,
 ) -> HttpResponseBase:
     """Run the ``async`` ``view`` for ``request`` under the core."""
-    prepared = await sync_to_async(prepare, thread_sensitive=True)(request, options)
+    prepared = await sync_to_async(prepare, thread_sensitive=True)(request, options, owner_of)
     if prepared is None:
         return await view()
     if isinstance(prepared, HttpResponse):

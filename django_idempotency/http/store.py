@@ -28,10 +28,18 @@ MariaDB / MySQL
     the insert fail at once with error 1205 (lock wait timeout) instead of waiting; a committed
     one fails with 1062 (duplicate key), and a locking read (``LOCK IN SHARE MODE``, which sees
     the latest committed row even under ``REPEATABLE READ``) fetches it. Both errors only undo
-    the statement, not the transaction. Taking over a stale record is the one statement that
-    waits (up to ``TAKEOVER_LOCK_WAIT`` seconds): concurrent contenders all hold a shared lock
-    on the record, so without waiting none of them could ever take it over; waiting, they
-    deadlock, InnoDB rolls victims back at once, and one of them wins.
+    the statement, not the transaction. A 1205 can also come from a lock that is not this
+    key's: another transaction's gap lock on the unique index where the new key goes (a
+    locking range read at ``REPEATABLE READ``). So a 1205 is followed by the same locking read,
+    which never waits either: this key's uncommitted record makes it fail with 1205 too ("in
+    progress", 409); no record at all means the lock was someone else's, and the insert is
+    tried again, twice, waiting up to ``TAKEOVER_LOCK_WAIT`` seconds each time. A lock that
+    outlasts that is answered 503 (``ClaimResult.busy``), never 409.
+
+    Taking over a stale record is the other statement that waits (up to
+    ``TAKEOVER_LOCK_WAIT`` seconds): concurrent contenders all hold a shared lock on the
+    record, so without waiting none of them could ever take it over; waiting, they deadlock,
+    InnoDB rolls victims back at once, and one of them wins.
 SQLite
     ``INSERT ... ON CONFLICT DO NOTHING``. SQLite has one writer at a time, so a duplicate waits
     for the database lock (the connection's ``timeout``) and then sees the committed row; if
@@ -73,6 +81,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.exceptions import StaleClaim
 from django_idempotency.models import IdempotencyRecord
+from django_idempotency.outages import connection_lost
 from django_idempotency.pg_roundtrips import execute_first, execute_last
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
@@ -132,6 +141,15 @@ class ClaimResult:
     """Set when the caller owns a key that has no record yet, and none was written (PostgreSQL,
     atomic mode, see :meth:`RecordStore.claim`): :meth:`RecordStore.complete` writes the record
     from these values, and :meth:`RecordStore.release` has nothing to delete."""
+
+    busy: bool = False
+    """MariaDB: the key has no record, yet its insert kept meeting another transaction's lock
+    (a gap lock on the index) after the retries :meth:`RecordStore.claim` allows, or InnoDB
+    chose the claim's transaction as a deadlock's victim. Not "in progress": no request holds
+    this key."""
+
+    cause: str = ""
+    """Why a ``busy`` claim failed, for the log line: which lock error, in a few words."""
 
     @property
     def claimed(self) -> bool:
@@ -205,11 +223,15 @@ class RecordStore:
         method = method[:METHOD_LENGTH]
         values = ClaimValues(owner, key, fingerprint, method, stored_path(path), token, ttl, lease)
         vendor = self.connection.vendor
+        blocked = False
         for _ in range(3):
             if vendor == "postgresql":
                 result = self._claim_postgresql(values)
             elif vendor == "mysql":
-                result = self._claim_mysql(values)
+                result = self._claim_mysql(values, wait=blocked)
+                blocked = result is BLOCKED
+                if blocked:
+                    continue
             elif vendor == "sqlite":
                 result = self._claim_sqlite(values)
             else:
@@ -219,6 +241,11 @@ class RecordStore:
                 )
             if result is not None:
                 return result
+        if blocked:
+            # MariaDB: no record, and the insert met another transaction's lock three times,
+            # the last two after waiting TAKEOVER_LOCK_WAIT seconds each: the database is too
+            # busy, not the key (503 with Retry-After).
+            return ClaimResult(None, None, busy=True, cause=LOCK_STAYED)
         # The row vanished between the insert and the read three times in a row (purged or
         # released each time): answer "in progress" and let the client retry.
         return ClaimResult(None, None)
@@ -252,21 +279,38 @@ class RecordStore:
             return None
         return ClaimResult(None, existing)
 
-    def _claim_mysql(self, v: ClaimValues) -> ClaimResult | None:
+    def _claim_mysql(self, v: ClaimValues, *, wait: bool = False) -> ClaimResult | None:
+        """One attempt. Returns :data:`BLOCKED` when the insert met a lock (1205) and yet the
+        key has no record: another transaction's gap or insert-intention lock on the unique
+        index around the new key, not a request of this key. :meth:`claim` then tries again,
+        ``wait``-ing up to ``TAKEOVER_LOCK_WAIT`` seconds for that lock.
+
+        A 1205 used to be answered as "in progress" without looking: an unrelated transaction
+        that held a gap lock at the new key's place in the index got a fresh key a 409."""
         sql = _statements(self.connection)
         params: list[Any] = [v.owner, v.key, v.fingerprint, v.method, v.path, v.token.hex]
         params += [_microseconds(v.lease), _microseconds(v.ttl)]
         with self.connection.cursor() as cursor:
             try:
-                cursor.execute(sql.insert, params)
+                cursor.execute(sql.insert_waiting if wait else sql.insert, params)
                 return ClaimResult(cursor.lastrowid, None)
             except (IntegrityError, OperationalError) as exc:
                 code = _mysql_errno(exc)
-                if code in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
+                if code == ER_LOCK_DEADLOCK:
+                    # InnoDB chose this transaction as a deadlock's victim and rolled it all
+                    # back: nothing more can be read in it. Met by the insert that waits (after
+                    # a 1205 with no record: the claim's own locking read holds a gap lock, and
+                    # another transaction inserting into that gap closes the cycle), so it is
+                    # a lock of another key's transaction, not a request of this key: 503 with
+                    # Retry-After, the log naming the deadlock. (The insert that does not wait
+                    # fails 1205 instead: InnoDB looks for deadlocks only before a wait.)
                     self._after_mysql_lock_error(code)
-                    return ClaimResult(None, None)
-                if code != ER_DUP_ENTRY:
+                    return ClaimResult(None, None, busy=True, cause=deadlock(exc))
+                if code not in (ER_DUP_ENTRY, ER_LOCK_WAIT_TIMEOUT):
                     raise
+                locked = code == ER_LOCK_WAIT_TIMEOUT
+            # Look for the key's record. The read takes no wait either: an uncommitted record
+            # of this key (a request that runs it now) makes it fail with 1205, "in progress".
             try:
                 cursor.execute(sql.select, [v.owner, v.key])
             except OperationalError as exc:
@@ -274,10 +318,14 @@ class RecordStore:
                 if code not in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK):
                     raise
                 self._after_mysql_lock_error(code)
+                if code == ER_LOCK_DEADLOCK:  # rolled back before it could look: not this key's
+                    return ClaimResult(None, None, busy=True, cause=deadlock(exc))
                 return ClaimResult(None, None)
             row = cursor.fetchone()
         if row is None:
-            return None
+            # 1205 and no record: a lock that is not this key's. 1062 and no record: the
+            # record went away between the insert and the read (purged, released).
+            return BLOCKED if locked else None
         return self._take_over_or_report(v, self._existing(row))
 
     def _after_mysql_lock_error(self, code: int) -> None:
@@ -424,6 +472,15 @@ class RecordStore:
                 f"Record {record_id} is no longer held by token {token}; it was not released."
             )
 
+    # -- an unreachable database -------------------------------------------------------------
+
+    def unreachable(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised while claiming, says that the database cannot be reached:
+        the connection could not be opened, or it broke (the server closed it, the network cut
+        it, the backend was terminated), rather than a statement failing on a live connection.
+        """
+        return connection_lost(self.connection, exc)
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _token(self, token: uuid.UUID) -> uuid.UUID | str:
@@ -473,6 +530,21 @@ def _sqlstate(exc: DatabaseError) -> str | None:
     return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
 
 
+LOCK_STAYED = "another transaction's lock on the records' index (1205) stayed in the way"
+"""The ``cause`` of a claim that met a lock that is not its key's, three times."""
+
+BLOCKED = ClaimResult(None, None, busy=True, cause=LOCK_STAYED)
+"""MariaDB: one claim attempt met another transaction's lock, and the key has no record."""
+
+
+def deadlock(exc: DatabaseError) -> str:
+    """The ``cause`` of a claim rolled back as a deadlock's victim (1213), with the server's
+    words."""
+    args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
+    said = " ".join(str(args[1]).split()) if len(args) > 1 else ""
+    return f"a deadlock (1213): InnoDB rolled the claim's transaction back ({said})"
+
+
 @dataclass(frozen=True)
 class _Statements:
     """The hand-written SQL of one backend, built once per vendor (see :func:`_statements`)."""
@@ -480,6 +552,7 @@ class _Statements:
     complete: str
     release: str
     insert: str = ""
+    insert_waiting: str = ""
     select: str = ""
     take_over: str = ""
 
@@ -557,7 +630,16 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
         f"response_headers = '{{}}', response_body = NULL, created_at = {now}, "
         f"completed_at = NULL, expires_at = {later} WHERE id = %s AND token = %s"
     )
-    return _Statements(complete, release, insert, select, take_over)
+    # A retry of an insert that met a lock while the key had no record (see _claim_mysql).
+    insert_waiting = insert.replace(nowait, briefly, 1) if vendor == "mysql" else insert
+    return _Statements(
+        complete,
+        release,
+        insert=insert,
+        insert_waiting=insert_waiting,
+        select=select,
+        take_over=take_over,
+    )
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,6 @@ __all__ = [
     "DeadLetterFailed",
     "Outcome",
     "event_id_of",
-    "replay_dead_letters",
 ]
 
 if TYPE_CHECKING:
@@ -113,6 +112,14 @@ class Outcome(Enum):
 
 class DeadLetterFailed(Exception):
     """The dead-letter topic did not acknowledge a message; its offset is not committed."""
+
+
+DEAD_LETTER_TIMEOUT = 30.0
+"""Seconds librdkafka may try a dead-lettered (or replayed) message (``message.timeout.ms`` of
+the dead-letter producer)."""
+DEAD_LETTER_GRACE = 5.0
+"""Seconds more the runner waits for that message's delivery report (librdkafka times messages
+out about once a second) before it counts the dead letter as failed."""
 
 
 # --- Event ids ----------------------------------------------------------------------------------
@@ -764,101 +771,7 @@ class ConsumerRunner:
         return self._producer
 
 
-# --- Replaying the dead-letter topic ------------------------------------------------------------
-
-
-def replay_dead_letters(
-    settings: ConsumerSettings | str, idle: float = 5.0, join_timeout: float = 120.0
-) -> Counter[str]:
-    """Put this consumer's dead-lettered messages back on their topics, once the cause is fixed.
-
-    Reads the consumer's dead-letter topics in the group ``<GROUP>.replay`` (so each message is
-    replayed once however often this runs), and for each message the consumer dead-lettered:
-
-    1. un-parks its event (deletes its parked delivery counter), so it gets ``MAX_DELIVERIES``
-       fresh deliveries;
-    2. produces it, with its own key, value and headers (the ``dlq.*`` ones removed), back to the
-       topic it came from, and waits for the acknowledgement;
-    3. commits the dead-letter offset.
-
-    Replayed messages are deduplicated like any other delivery: an event that was applied in the
-    meantime is skipped. A message without an event id is not replayed (it would only come back):
-    fix its producer and publish it again. Returns counts: ``replayed``, ``skipped`` (other
-    consumers' messages) and ``no event id``. Stops after ``idle`` seconds without a message,
-    timed from the assignment of the dead-letter partitions (joining the group can take longer
-    than ``idle``, and would otherwise end the replay before it read anything).
-
-    :raises DeadLetterFailed: a message could not be put back; it stays on the dead-letter topic
-        (its offset there is not committed) and the next run tries it again. Also when no
-        partitions were assigned within ``join_timeout`` seconds (the brokers unreachable).
-    """
-    settings = consumer_settings(settings) if isinstance(settings, str) else settings
-    dead_letter_topics = sorted({settings.dead_letter_topic_for(t) for t in settings.topics})
-    consumer = Consumer(
-        {
-            "auto.offset.reset": "earliest",
-            **settings.config,
-            "group.id": f"{settings.group}.replay",
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-        }
-    )
-    producer = Producer(_producer_config(settings))
-    counts: Counter[str] = Counter()
-    # When the group hands this consumer its partitions (an empty list, if the dead-letter
-    # topics do not exist); until then, no idle time counts.
-    assigned: list[float] = []
-
-    def on_assign(consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        assigned.append(time.monotonic())
-
-    consumer.subscribe(dead_letter_topics, on_assign=on_assign)
-    started = last = time.monotonic()
-    try:
-        while True:
-            message = consumer.poll(min(idle, 0.5))
-            now = time.monotonic()
-            if message is None:
-                if not assigned:
-                    if now - started > join_timeout:
-                        raise DeadLetterFailed(
-                            f"no partition of {', '.join(dead_letter_topics)} was assigned "
-                            f"within {join_timeout}s: are the brokers reachable?"
-                        )
-                    continue
-                if now - max(last, assigned[-1]) >= idle:
-                    break
-                continue
-            last = now
-            if message.error() is not None:
-                continue
-            headers = _headers(message)
-            origin = {name: value for name, value in headers if name.startswith("dlq.")}
-            if _text(origin.get("dlq.consumer")) != settings.name or not origin.get("dlq.topic"):
-                counts["skipped"] += 1
-            else:
-                try:
-                    event_id = event_id_of(message, settings)
-                except MissingEventId as exc:
-                    logger.error("not replayed, %s: %s", _describe(message), exc)
-                    counts["no event id"] += 1
-                else:
-                    EventDelivery.objects.using(conf.DATABASE).filter(
-                        consumer=settings.name, event_id=event_id, parked_at__isnull=False
-                    ).delete()
-                    _produce_durably(
-                        producer,
-                        _text(origin.get("dlq.topic")),
-                        key=message.key(),
-                        value=message.value(),
-                        headers=[(n, v) for n, v in headers if not n.startswith("dlq.")],
-                    )
-                    counts["replayed"] += 1
-            consumer.commit(message=message, asynchronous=False)
-    finally:
-        consumer.close()
-        producer.flush(30)
-    return counts
+# --- The dead-letter and replay producers ---------------------------------------------------
 
 
 def _producer_config(settings: ConsumerSettings) -> dict[str, Any]:
@@ -874,6 +787,10 @@ def _producer_config(settings: ConsumerSettings) -> dict[str, Any]:
         "enable.idempotence": True,
         "acks": "all",
         "partitioner": PARTITIONER,
+        # librdkafka gives up on a message within the runner's wait for it, so none is written
+        # after the wait reported it failed (its default, 300 s, wrote a second dead letter
+        # when the message came back and was dead-lettered again).
+        "message.timeout.ms": int(DEAD_LETTER_TIMEOUT * 1000),
         # The consumer takes messages up to the topic's own limit; librdkafka's producer would
         # refuse one over 1 MB before the broker saw it, and the poison message would come
         # back for ever. The broker (the dead-letter topic's max.message.bytes) decides.
@@ -925,8 +842,10 @@ def _produce_durably(
     key: bytes | None,
     value: bytes | None,
     headers: list[tuple[str, str | bytes | None]],
-    timeout: float = 30.0,
 ) -> None:
+    """Produce one message and wait for its acknowledgement (``acks=all``): DeadLetterFailed
+    if it was refused, timed out, or had no delivery report within the wait."""
+    wait = DEAD_LETTER_TIMEOUT + DEAD_LETTER_GRACE
     reports: list[KafkaError | None] = []
     producer.produce(
         topic,
@@ -935,9 +854,9 @@ def _produce_durably(
         headers=headers,
         on_delivery=lambda err, msg: reports.append(err),
     )
-    producer.flush(timeout)
+    producer.flush(wait)
     if not reports:
-        raise DeadLetterFailed(f"no acknowledgement from {topic} within {timeout}s")
+        raise DeadLetterFailed(f"no acknowledgement from {topic} within {wait:g}s")
     if reports[0] is not None:
         raise DeadLetterFailed(f"{topic} refused the message: {reports[0]}")
 

@@ -177,8 +177,16 @@ def _event_id(path: str, value: Any) -> tuple[str, str]:
 
 
 def _seconds(path: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _error(path, f"must be zero or a positive number of seconds, not {value!r}.")
+    """A duration in seconds: a finite number, zero or more. NaN compares false with every
+    number, so it passed a plain ``value < 0`` test, and a NaN ``RETRY_DELAY`` then paused its
+    partition for good (its resume time was never due); infinity did the same."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise _error(path, f"must be zero or a positive, finite number of seconds, not {value!r}.")
     return float(value)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 __all__ = ["KafkaTransport"]
 
+MESSAGE_TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
+"""librdkafka's names of how long it tries a message (``delivery.timeout.ms`` is an alias)."""
+
 
 class KafkaTransport:
     """Send outbox messages to Kafka: the relay's transport (``OUTBOX_TRANSPORTS``).
@@ -50,25 +54,52 @@ class KafkaTransport:
     :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
         idempotence and ``acks`` cannot be weakened.
     :param timeout: seconds to wait for the acknowledgements of one batch; librdkafka gives up on
-        a message after this long too (``message.timeout.ms``), so none is sent later.
+        a message after this long too (``message.timeout.ms``), so none is sent later. A
+        ``config`` whose ``message.timeout.ms`` (or its alias ``delivery.timeout.ms``) is longer,
+        or 0 (no limit), is refused: librdkafka would go on trying a message after the transport
+        reported it failed, deliver it later, and the relay's next attempt would write it twice.
     """
 
     def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
-        if not config.get("bootstrap.servers"):
-            raise ImproperlyConfigured("KafkaTransport needs config={'bootstrap.servers': ...}.")
-        if str(config.get("enable.idempotence", True)).lower() in ("false", "0"):
-            raise ImproperlyConfigured("KafkaTransport always uses enable.idempotence=true.")
-        if str(config.get("acks", "all")) not in ("all", "-1"):
-            raise ImproperlyConfigured("KafkaTransport always uses acks=all.")
+        self.check_options(config, timeout)
         self.timeout = float(timeout)
         self.config = {
             "partitioner": "murmur2_random",
-            "message.timeout.ms": int(self.timeout * 1000),
+            # librdkafka's bounds: 0 would be no limit at all; 2**31 - 1 is its largest.
+            "message.timeout.ms": max(1, min(int(self.timeout * 1000), 2**31 - 1)),
             **config,
             "enable.idempotence": True,
             "acks": "all",
         }
         self._producer: Producer | None = None
+
+    @staticmethod
+    def check_options(config: Mapping[str, Any], timeout: float = 30.0) -> None:
+        """Refuse options the transport cannot keep its promises with (the system checks call
+        it on ``OPTIONS``, as error ``E032``, without building the transport).
+
+        :raises ImproperlyConfigured: no ``bootstrap.servers``; idempotence or ``acks=all``
+            switched off; a ``timeout`` that is not a positive number of seconds; or a
+            ``message.timeout.ms`` longer than ``timeout``, or 0 (no limit).
+        """
+        if not isinstance(config, Mapping) or not config.get("bootstrap.servers"):
+            raise ImproperlyConfigured("KafkaTransport needs config={'bootstrap.servers': ...}.")
+        if str(config.get("enable.idempotence", True)).lower() in ("false", "0"):
+            raise ImproperlyConfigured("KafkaTransport always uses enable.idempotence=true.")
+        if str(config.get("acks", "all")) not in ("all", "-1"):
+            raise ImproperlyConfigured("KafkaTransport always uses acks=all.")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ImproperlyConfigured(
+                f"KafkaTransport timeout must be a positive number of seconds, not {timeout!r}."
+            )
+        for key in MESSAGE_TIMEOUT_KEYS:
+            if key in config:
+                _check_message_timeout(key, config[key], float(timeout))
 
     producer_factory: ClassVar[Callable[[dict[str, Any]], Producer]] = Producer
     """Builds the producer from the configuration (a test may give one of its own)."""
@@ -144,6 +175,26 @@ class KafkaTransport:
         producer, self._producer = self._producer, None
         if producer is not None:
             producer.flush(self.timeout)
+
+
+def _check_message_timeout(key: str, raw: Any, timeout: float) -> None:
+    """Refuse a ``message.timeout.ms`` that would outlive the transport's wait for it."""
+    try:
+        millis = math.nan if isinstance(raw, bool) else float(raw)
+    except (TypeError, ValueError):
+        millis = math.nan
+    if math.isfinite(millis) and 0 < millis <= timeout * 1000:
+        return
+    if math.isfinite(millis) and millis > timeout * 1000:
+        problem = f"longer than the transport's timeout ({timeout:g} s)"
+    else:
+        problem = "not a positive number of milliseconds (0 is no limit at all)"
+    raise ImproperlyConfigured(
+        f"KafkaTransport config sets {key!r} to {raw!r}, {problem}: librdkafka would go on "
+        f"trying a message after send() reported it failed, and deliver it after the relay "
+        f"had sent it again (a duplicate on the topic). Remove {key!r} (it defaults to the "
+        f"timeout), or raise the transport's OPTIONS['timeout'] (seconds) instead."
+    )
 
 
 def _value(payload: Any) -> bytes:

@@ -45,10 +45,38 @@ everything due is followed by the wait too, since a commit made during it has no
 claim per wake-up, not two). A lost notification only costs one poll interval, and a lost
 ``LISTEN`` connection is opened again a few seconds later
 (:class:`~django_idempotency.outbox.store.Listener`), so a database restart leaves no relay on
-polling alone.
+polling alone. The wait ends early, too, when a held message or a backoff is due before the
+poll interval is over (:func:`~django_idempotency.outbox.schedule.next_due`).
+
+Delayed messages
+----------------
+A message with a countdown or an eta (:func:`~django_idempotency.outbox.core.send`) has a due
+time. One whose transport delivers late messages itself (Celery, which passes it on as the
+task's eta) is sent at once; the others wait in the table (``available_at``), which the claim
+already skips, holding back the later messages of their key only. A countdown counts from the
+commit: the producer's ``on_commit`` hook starts it, or, when the producer died first, the relay
+(:meth:`Relay.schedule`); until then no relay claims the message.
+
+Database faults
+---------------
+A batch that fails on a database error closes the connection and is tried again after
+``poll_interval``. A lost connection (an outage, a failover, a cut connection:
+:func:`~django_idempotency.outages.connection_lost`) is logged as one WARNING that names the
+cause when the outage begins and one line when the database answers again (with what was
+retried); each failure's traceback goes to DEBUG. Any other database error (a missing table,
+bad SQL, a violated constraint) is a bug, not an outage: ERROR with its traceback, at each
+failed batch. A claim whose COMMIT went unanswered may have leased its rows without the relay
+knowing: the next claim takes back the rows that still hold that claim's lease, so they are
+sent at once instead of after the lease; a suspect among them keeps that lease (see
+:meth:`Relay._claim`). A lost ``LISTEN`` connection is one WARNING, or an INFO when the
+relay's own outage WARNING already says that the database is gone.
 
 The SQL of each step (the claim's query and transaction, the writes that record outcomes, the
 ``LISTEN`` connection) is in :mod:`django_idempotency.outbox.store`; this module decides.
+
+Why this module is long: the relay's one loop and its three steps, the ordering rule, the
+suspects of lost leases and the database faults are one state machine around one lease, and
+read best together; the SQL is already apart in the store.
 """
 
 from __future__ import annotations
@@ -58,8 +86,8 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from datetime import timedelta
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timedelta
 
 from django.db import DatabaseError, connections
 from django.utils import timezone
@@ -67,8 +95,15 @@ from django.utils import timezone
 from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.exceptions import error_text, log_text
-from django_idempotency.outbox import store
+from django_idempotency.outages import connection_lost
+from django_idempotency.outbox import schedule, store
 from django_idempotency.outbox.transports import OutboxMessage, Transport, get_transport
+from django_idempotency.protection.core import (
+    Undecryptable,
+    is_sealed_value,
+    open_value,
+    outbox_context,
+)
 
 __all__ = ["BatchResult", "Relay"]
 
@@ -76,6 +111,34 @@ logger = logging.getLogger(__name__)
 
 WAIT_SLICE = 0.5
 """The longest a wait blocks without checking whether the relay was asked to stop."""
+
+SCHEDULE_EVERY = 2.0
+"""Seconds between two looks for messages whose countdown no producer started
+(:meth:`Relay.schedule`)."""
+
+OUTAGE_REMINDER = 300.0
+"""Seconds between two WARNINGs of one database outage: one line when it begins, one when it
+ends, and one every five minutes while it lasts (each failure and its traceback at DEBUG)."""
+
+
+def _message(row: store.Claimed) -> OutboxMessage:
+    """The message of a claimed row, its payload decrypted just before it is sent when it was
+    written encrypted (``OUTBOX_ENCRYPT``). Undecryptable: one ERROR line names the row."""
+    message = OutboxMessage.from_entry(row)
+    if not is_sealed_value(row.payload):
+        return message
+    try:
+        payload = open_value(row.payload, outbox_context(row.event_id))
+    except Undecryptable as exc:
+        logger.error(
+            "idempotency undecryptable outbox message id=%s event_id=%s key_id=%s: %s",
+            row.pk,
+            log_text(row.event_id),
+            exc.key_id,
+            log_text(exc),
+        )
+        raise
+    return replace(message, payload=payload)
 
 
 @dataclass
@@ -97,6 +160,18 @@ class BatchResult:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+@dataclass
+class _Outage:
+    """A run of batches that failed on database errors: when it began, how many failed."""
+
+    started: float
+    taken_back: int
+    """:attr:`Relay.taken_back` when it began."""
+    reported: float
+    """When it was last logged."""
+    failures: int = 0
 
 
 class Relay:
@@ -143,11 +218,22 @@ class Relay:
         self._left_behind = False
         """Whether the last claim left due rows for the next batch (it sent a suspect alone, or
         its candidates filled the batch, so more may be due behind them)."""
+        self._unanswered: list[tuple[datetime, list[int]]] = []
+        """Claims that failed at or after their lease (the connection cut at the COMMIT): the
+        lease (the token that fences every write to a claimed row) and the rows. Whether the
+        COMMIT took effect is unknown; the next claim takes back what is still leased under
+        that token (see :meth:`_claim`)."""
+        self.taken_back = 0
+        """Messages taken back from unanswered claims since the relay started."""
+        self._outage: _Outage | None = None
+        self._next_schedule = 0.0
+        """When :meth:`schedule` looks next (``time.monotonic()``)."""
 
     # --- One batch ----------------------------------------------------------------------------
 
     def run_once(self) -> BatchResult:
         """Claim, send and record one batch; returns what it did (all zeros when idle)."""
+        self.schedule()
         result = BatchResult()
         claimed = self._claim(result)
         result.claimed = len(claimed)
@@ -189,22 +275,63 @@ class Relay:
         return bool(result.sent) and not listening
 
     def _claim(self, result: BatchResult | None = None) -> list[store.Claimed]:
+        """Claim a batch: the rows chosen, leased until now + lease, their attempt counted.
+
+        A claim whose transaction fails once its lease is written (the connection cut at the
+        COMMIT, before its answer) may have committed: its rows would then stay leased, and
+        unsent, until the lease runs out (60 s by default). The relay keeps such a claim's lease
+        and rows (:attr:`_unanswered`), and the next claim first takes back, in its own
+        transaction, those rows that still hold that exact lease: no other relay can hold it
+        (a takeover writes its own), and this relay never sent them. They lose the uncounted
+        attempt and are claimed again at once, as any due row. Not a suspect (a row whose last
+        lease ran out without an outcome): its previous sender, stalled past its lease, may
+        still deliver it and mark it sent, and the lease is what holds the other relays off it
+        meanwhile. It keeps the lease, and is claimed again once the lease runs out.
+        """
         connection = connections[self.using]
         now = timezone.now()
+        until = now + self.lease
         self._left_behind = False
-        with store.claim_transaction(connection):
-            candidates = store.candidates(self.using, now, self.batch_size)
-            if not candidates:
-                return []
-            full = len(candidates) >= self.batch_size
-            candidates = self._park_lost(candidates, result)
-            chosen = self._choose(candidates)
-            self._left_behind = self._left_behind or full
-            if chosen:
-                store.lease(self.using, [row.pk for row in chosen], now + self.lease)
+        chosen: list[store.Claimed] = []
+        taken_back = 0
+        # A lease that has run out is left to the ordinary claim (which takes such rows as any
+        # other relay would): the list stays short however long the database keeps failing.
+        self._unanswered = [(token, ids) for token, ids in self._unanswered if token > now]
+        try:
+            with store.claim_transaction(connection):
+                for token, ids in self._unanswered:
+                    taken_back += store.release(self.using, ids, token)
+                candidates = store.candidates(self.using, now, self.batch_size)
+                if candidates:
+                    full = len(candidates) >= self.batch_size
+                    candidates = self._park_lost(candidates, result)
+                    chosen = self._choose(candidates)
+                    self._left_behind = self._left_behind or full
+                    if chosen:
+                        store.lease(self.using, [row.pk for row in chosen], until)
+        except DatabaseError:
+            # The lease was written, or was being written: it may have committed. Only rows
+            # that never lost a lease are taken back. A suspect (its last lease ran out with no
+            # outcome) may still be on its way from its previous sender, a relay stalled past
+            # its lease, whose sent mark always stands: the lease this claim wrote is what
+            # holds other relays off it meanwhile, so it keeps it, and is claimed again, as a
+            # suspect, once that lease runs out.
+            fresh = [row.pk for row in chosen if row.locked_until is None]
+            if fresh:
+                self._unanswered.append((until, fresh))
+            raise
+        if self._unanswered:
+            self._unanswered = []
+            self.taken_back += taken_back
+            if taken_back:  # INFO: the outage's closing WARNING counts them too
+                logger.info(
+                    "outbox relay: took back %d message(s) of a claim whose COMMIT went "
+                    "unanswered; they are sent now instead of after the lease",
+                    taken_back,
+                )
         for row in chosen:
             row.attempts += 1
-            row.locked_until = now + self.lease
+            row.locked_until = until
         return chosen
 
     def _park_lost(
@@ -293,8 +420,16 @@ class Relay:
         groups: dict[str, list[int]] = {}
         for index, row in enumerate(rows):
             groups.setdefault(row.transport, []).append(index)
-        for name, indexes in groups.items():
-            messages = [OutboxMessage.from_entry(rows[index]) for index in indexes]
+        for name, grouped in groups.items():
+            indexes, messages = [], []
+            for index in grouped:
+                try:
+                    messages.append(_message(rows[index]))
+                    indexes.append(index)
+                except Undecryptable as exc:  # fails (and holds back its key), never leaves
+                    outcomes[index] = exc
+            if not messages:
+                continue
             try:
                 transport = self._transport(name)
                 results = transport.send(messages)
@@ -355,7 +490,7 @@ class Relay:
                 failures.append((row, outcome))
                 if row.ordering_key is not None:
                     failed_keys.add(row.ordering_key)
-        telemetry.outbox_sends(rows, outcomes, self.max_attempts)
+        telemetry.outbox_sends(rows, outcomes, self.max_attempts, set(released))
         with store.record_transaction(self.using):
             if sent:
                 store.mark_sent(self.using, sent, now, now + self.ttl)
@@ -401,6 +536,52 @@ class Relay:
         ceiling = min(self.max_backoff, self.backoff * 2 ** min(attempts - 1, 30))
         return float(ceiling * (0.5 + random.random() / 2))
 
+    # --- Delayed messages -----------------------------------------------------------------------
+
+    def schedule(self, force: bool = False) -> int:
+        """Start the countdowns that no producer started, at most every :data:`SCHEDULE_EVERY`
+        seconds (``force``: now); returns how many.
+
+        A message's countdown counts from its commit, and the producer's ``on_commit`` hook
+        starts it (:mod:`~django_idempotency.outbox.schedule`). A producer that died between
+        its COMMIT and that hook left it unstarted, and no relay claims such a message: here it
+        starts from now, which is after the commit (the message is committed, since this relay
+        sees it), so it is never sent early, only late by as long as the hook was missing.
+        """
+        if connections[self.using].in_atomic_block:
+            # Inside a caller's transaction this connection also sees that transaction's own
+            # uncommitted messages, whose producer hook has not run yet: it cannot tell them
+            # from a dead producer's, so it starts none (the next run outside does).
+            return 0
+        now = time.monotonic()
+        if not force and now < self._next_schedule:
+            return 0
+        self._next_schedule = now + SCHEDULE_EVERY
+        started = 0
+        for row in schedule.unscheduled(self.using, self.batch_size):
+            try:
+                late = bool(getattr(self._transport(row.transport), "delayed_delivery", False))
+            except Exception:  # noqa: BLE001 - an unknown transport: its send fails with why
+                late = False
+            due = timezone.now() + timedelta(seconds=row.countdown)
+            started += schedule.set_due(self.using, row.pk, due, hold=not late)
+        if started:
+            logger.info(
+                "outbox relay: started the countdown of %d message(s) whose producer did not "
+                "(it died after its COMMIT?): they are due that long from now",
+                started,
+            )
+        return started
+
+    def _pause(self, poll_interval: float) -> float:
+        """How long to wait for a notification before the next batch: the poll interval, or
+        less when a held message (or a backoff) is due sooner."""
+        now = timezone.now()
+        due = schedule.next_due(self.using, now)
+        if due is None:
+            return poll_interval
+        return min(poll_interval, max(0.0, (due - now).total_seconds()))
+
     # --- The long-running loop ------------------------------------------------------------------
 
     def serve(
@@ -414,8 +595,9 @@ class Relay:
         After a batch that sent something it goes on at once; when nothing was due it waits
         ``poll_interval`` seconds, or until a ``NOTIFY`` on PostgreSQL. While it listens, a batch
         that saw everything due (fewer candidates than ``batch_size``) is followed by the wait
-        too: a commit made meanwhile has notified, and ends it at once. A database error is
-        logged, the connection closed, and the loop goes on after a wait.
+        too: a commit made meanwhile has notified, and ends it at once. After a database error
+        the connection is closed and the loop goes on after a wait; an outage is logged once
+        when it begins and once when it ends (module docstring, *Database faults*).
         """
         total = BatchResult()
         telemetry.observe(self.using)  # the backlog gauges, reported by the relay alone
@@ -434,22 +616,90 @@ class Relay:
                     listener.drain()
                 try:
                     result = self.run_once()
-                except DatabaseError:
-                    logger.exception("outbox relay: database error; retrying after a pause")
-                    connections[self.using].close()
+                    more = self._more_due(result, listener is not None and listener.listening)
+                    pause = 0.0 if more else self._pause(poll_interval)
+                except DatabaseError as error:
+                    connection = connections[self.using]
+                    lost = connection_lost(connection, error)
+                    if listener is not None:  # reported by the outage's WARNING, if it is one
+                        listener.report_loss(outage=lost)
+                    if lost:
+                        self._failed(error, poll_interval)
+                    else:
+                        self._broken(error, poll_interval)
+                    connection.close()
                     self._wait(None, poll_interval)
                     continue
+                if listener is not None:
+                    listener.report_loss(outage=False)
+                if self._outage is not None:
+                    self._recovered(result)
                 total.add(result)
                 if on_batch is not None and result.claimed:
                     on_batch(result)
-                if self._more_due(result, listener is not None and listener.listening):
+                if more:
                     continue
-                self._wait(listener, poll_interval)
+                self._wait(listener, pause)
         finally:
             self.listener = None
             if listener is not None:
                 listener.close()
         return total
+
+    def _failed(self, error: DatabaseError, poll_interval: float) -> None:
+        """Log a batch that failed on a database error: one WARNING per outage, naming the
+        cause; the traceback and each further failure at DEBUG."""
+        now = time.monotonic()
+        if self._outage is None:
+            self._outage = _Outage(now, self.taken_back, reported=now)
+            logger.warning(
+                "outbox relay: database %r failed (%s); retrying every %.1f s until it answers",
+                self.using,
+                store.cause(error),
+                poll_interval,
+            )
+        elif now - self._outage.reported >= OUTAGE_REMINDER:
+            self._outage.reported = now
+            logger.warning(
+                "outbox relay: database %r still failing after %.0f s and %d failed batches (%s)",
+                self.using,
+                now - self._outage.started,
+                self._outage.failures,
+                store.cause(error),
+            )
+        self._outage.failures += 1
+        logger.debug(
+            "outbox relay: database error (failure %d of this outage)",
+            self._outage.failures,
+            exc_info=True,
+        )
+
+    def _broken(self, error: DatabaseError, poll_interval: float) -> None:
+        """Log a batch that failed on a database error of a live connection (a missing table,
+        bad SQL, a violated constraint, a deadlock): a bug or a schema that does not match, not
+        an outage, so at ERROR with its traceback, at each failed batch."""
+        logger.error(
+            "outbox relay: a batch failed on database %r with an error that is not a lost "
+            "connection (%s); retrying in %.1f s",
+            self.using,
+            store.cause(error),
+            poll_interval,
+            exc_info=error,
+        )
+
+    def _recovered(self, result: BatchResult) -> None:
+        """Log the end of an outage, once: how long, and what was retried."""
+        outage, self._outage = self._outage, None
+        assert outage is not None
+        logger.warning(
+            "outbox relay: database %r answers again after %.1f s; %d failed batch(es) retried, "
+            "%d message(s) of unanswered claims taken back, %d claimed now",
+            self.using,
+            time.monotonic() - outage.started,
+            outage.failures,
+            self.taken_back - outage.taken_back,
+            result.claimed,
+        )
 
     def stop(self) -> None:
         """Ask :meth:`serve` or :meth:`drain` to return after the current batch."""

@@ -6,7 +6,7 @@ those reaches the database, per backend, as :mod:`django_idempotency.http.store`
 core. It reads no setting and makes no decision: the relay passes in what it resolved (the
 time, the lease, the backoff), and gets back what the database found.
 
-* The claim: :func:`claim_transaction` (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL),
+* The claim: :func:`claim_transaction` (``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED elsewhere),
   :func:`candidates` (pending, due rows that no earlier message of their key holds back, locked
   with ``SKIP LOCKED`` where the database has it), :func:`unsent_of_keys` (what the ordering
   rule compares against) and :func:`lease` (the claim's write).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from django.db import DatabaseError, connections, transaction
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Exists, F, OuterRef, Q
 
+from django_idempotency.exceptions import log_text
 from django_idempotency.models import OUTBOX_TOUCHED, OutboxEntry
 
 #: The relay's logger: what goes wrong here is reported where the relay reports.
@@ -62,8 +64,9 @@ PLANNER_SWITCHES = (
 
 @contextmanager
 def claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
-    """The claim's transaction: ``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL, and
-    on PostgreSQL a plan that does not depend on the table's statistics.
+    """The claim's transaction: ``BEGIN IMMEDIATE`` on SQLite, READ COMMITTED on MySQL and
+    PostgreSQL (whatever the alias's isolation level, unless it runs inside the caller's
+    transaction), and on PostgreSQL a plan that does not depend on the table's statistics.
 
     PostgreSQL: statistics taken while nothing was pending (the normal quiet state, and
     autovacuum may be slow) made the planner read every pending row once per candidate (a
@@ -97,9 +100,15 @@ def claim_transaction(connection: BaseDatabaseWrapper) -> Iterator[None]:
         return
     outermost = not connection.in_atomic_block
     with transaction.atomic(using=connection.alias):
-        if connection.vendor == "mysql" and outermost:
-            # No gap locks: under REPEATABLE READ, the claim's locking read would block
-            # producers inserting new messages until it commits.
+        if outermost:
+            # READ COMMITTED whatever the alias's level, as the first statement (it must
+            # come before any query of the transaction). MySQL: no gap locks; under
+            # REPEATABLE READ the claim's locking read would block producers inserting new
+            # messages until it commits. PostgreSQL: under REPEATABLE READ (or SERIALIZABLE)
+            # the planner statement below takes the transaction's snapshot, and a row another
+            # relay leased or marked sent after it makes ``FOR UPDATE SKIP LOCKED`` fail with
+            # "could not serialize access due to concurrent update"; at READ COMMITTED the
+            # locking read skips or re-reads such a row instead.
             with connection.cursor() as cursor:
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
         if connection.vendor != "postgresql":
@@ -144,6 +153,7 @@ class Claimed:
     attempts: int
     locked_until: datetime | None
     created_at: datetime
+    due_at: datetime | None
 
 
 #: The columns of :class:`Claimed`, in its order.
@@ -284,11 +294,14 @@ def mark_sent(using: str, ids: list[int], now: datetime, expires_at: datetime) -
     )
 
 
-def release(using: str, ids: list[int], lease: datetime | None) -> None:
-    """Put back rows that were not tried (behind a failure of their key), uncounting the
-    attempt, while the lease is still ``lease``."""
-    OutboxEntry.objects.using(using).filter(id__in=ids, locked_until=lease).update(
-        locked_until=None, attempts=F("attempts") - 1
+def release(using: str, ids: list[int], lease: datetime | None) -> int:
+    """Put back rows that were not tried (behind a failure of their key, or claimed by a claim
+    whose COMMIT went unanswered), uncounting the attempt, while the lease is still ``lease``;
+    the number of rows put back."""
+    return (
+        OutboxEntry.objects.using(using)
+        .filter(id__in=ids, locked_until=lease)
+        .update(locked_until=None, attempts=F("attempts") - 1)
     )
 
 
@@ -315,8 +328,25 @@ def retry_later(
 # --- The wake-ups --------------------------------------------------------------------------------
 
 
+def cause(error: BaseException) -> str:
+    """One log line naming a database error: its class and first line, and those of the error
+    it was raised from (Django wraps the driver's error; a connection error chains the socket's)
+    when they say more. Tracebacks of an outage go to DEBUG; this line is what a WARNING says."""
+    parts: list[str] = []
+    seen: BaseException | None = error
+    while seen is not None and len(parts) < 2:
+        lines = str(seen).strip().splitlines()
+        first = lines[0] if lines else ""
+        if not parts or (first and first not in parts[-1]):
+            parts.append(f"{type(seen).__name__}: {first}" if first else type(seen).__name__)
+        seen = seen.__cause__
+    return log_text("; from ".join(parts))
+
+
 class Listener:
-    """A connection of its own that listens on the outbox channel (PostgreSQL only).
+    """A connection of its own that listens on the outbox channel (PostgreSQL only), with
+    psycopg 3 (its ``notifies()`` generator) or psycopg2 (``poll()`` and a ``select`` on the
+    connection).
 
     When that connection is lost (a database restart, a failover, a pooler that closed it), or
     cannot be opened, the relay polls every ``poll_interval`` meanwhile and listens again
@@ -330,8 +360,15 @@ class Listener:
 
     def __init__(self, using: str) -> None:
         self.using = using
+        self.driver = "psycopg"
+        """The driver module Django's backend loaded: ``psycopg`` (3) or ``psycopg2``."""
         self.wrapper: BaseDatabaseWrapper | None = None
         self.retry_at = 0.0
+        self.failing = False
+        """Whether this loss or failure to listen was logged already: the attempts that fail
+        after it are logged at DEBUG (one line per outage, not one every few seconds)."""
+        self.lost = ""
+        """The cause of a lost connection that :meth:`report_loss` has not logged yet."""
 
     @classmethod
     def open(cls, using: str) -> Listener | None:
@@ -339,14 +376,15 @@ class Listener:
         if connections[using].vendor != "postgresql":
             return None
         driver = getattr(getattr(connections[using], "Database", None), "__name__", "")
-        if driver != "psycopg":
-            # psycopg2 keeps notifications in a list filled by poll(), not psycopg 3's
-            # notifies() generator: the relay polls there (psycopg 3 is the supported driver).
+        if driver not in ("psycopg", "psycopg2"):
             logger.warning(
-                "outbox relay: LISTEN needs psycopg 3; under psycopg2 the relay polls instead"
+                "outbox relay: LISTEN needs psycopg 3 or psycopg2; under %s the relay polls "
+                "instead",
+                log_text(driver or "this driver"),
             )
             return None
         listener = cls(using)
+        listener.driver = driver
         listener._listen()
         return listener
 
@@ -361,12 +399,15 @@ class Listener:
             wrapper.set_autocommit(True)
             with wrapper.cursor() as cursor:
                 cursor.execute(f"LISTEN {NOTIFY_CHANNEL}")
-        except DatabaseError:
-            logger.warning(
-                "outbox relay: cannot LISTEN; polling meanwhile, trying again in %.0f s",
+        except DatabaseError as error:
+            logger.log(
+                logging.DEBUG if self.failing else logging.WARNING,
+                "outbox relay: cannot LISTEN (%s); polling meanwhile, trying again every %.0f s",
+                cause(error),
                 self.RETRY_EVERY,
-                exc_info=True,
             )
+            logger.debug("outbox relay: LISTEN failed", exc_info=True)
+            self.failing = True
             wrapper.close()
             self.retry_at = time.monotonic() + self.RETRY_EVERY
             return False
@@ -378,27 +419,47 @@ class Listener:
         or if the relay should look now because it has just listened again."""
         if self.wrapper is None:
             if time.monotonic() >= self.retry_at and self._listen():
+                self.failing = False
                 logger.info("outbox relay: listening again on %s", NOTIFY_CHANNEL)
                 return True
             time.sleep(seconds)
             return False
         raw: Any = self.wrapper.connection
         try:
-            woke = any(True for _ in raw.notifies(timeout=seconds, stop_after=1))
-            if woke:
-                for _ in raw.notifies(timeout=0.0):
-                    pass
-        except Exception:
-            logger.warning(
-                "outbox relay: LISTEN connection lost; polling meanwhile, listening again in "
-                "%.0f s",
-                self.RETRY_EVERY,
-                exc_info=True,
-            )
+            if self.driver == "psycopg2":
+                woke = _psycopg2_notified(raw, seconds)
+            else:
+                woke = any(True for _ in raw.notifies(timeout=seconds, stop_after=1))
+                if woke:
+                    for _ in raw.notifies(timeout=0.0):
+                        pass
+        except Exception as error:
+            # Any error of the driver (a connection the server or the network dropped, one
+            # already closed): never raised into the relay's loop. Logged once the relay's next
+            # batch says whether the database itself went away (report_loss).
+            logger.debug("outbox relay: LISTEN connection lost", exc_info=True)
+            self.lost = cause(error)
+            self.failing = True
             self.close()
             self.retry_at = time.monotonic() + self.RETRY_EVERY
             return True  # a notification may have been lost with the connection: look now
         return woke
+
+    def report_loss(self, *, outage: bool) -> None:
+        """Log a lost connection once, after the relay's next batch: a WARNING when that batch
+        reached the database (only the ``LISTEN`` connection went: a pooler or a proxy closed
+        it, its backend was terminated), an INFO when it failed too, since the relay's outage
+        WARNING already says that the database is gone (one WARNING per outage)."""
+        lost, self.lost = self.lost, ""
+        if not lost:
+            return
+        logger.log(
+            logging.INFO if outage else logging.WARNING,
+            "outbox relay: LISTEN connection lost (%s); polling meanwhile, listening again in "
+            "%g s",
+            lost,
+            self.RETRY_EVERY,
+        )
 
     DRAIN_READS = 1000
     """At most this many socket reads per :meth:`drain` (a read takes up to about 16 kB of
@@ -418,3 +479,19 @@ class Listener:
         if self.wrapper is not None:
             self.wrapper.close()
             self.wrapper = None
+
+
+def _psycopg2_notified(raw: Any, seconds: float) -> bool:
+    """psycopg2: whether a notification arrived within ``seconds`` (those pending are drained).
+
+    psycopg2 has no ``notifies()`` generator: ``poll()`` reads what the socket holds and appends
+    each notification to the list ``connection.notifies``; waiting is a ``select`` on the
+    connection (its ``fileno()``). A lost connection makes ``poll()`` raise, as psycopg 3's
+    generator does.
+    """
+    raw.poll()
+    if not raw.notifies and seconds > 0 and select.select([raw], [], [], seconds)[0]:
+        raw.poll()
+    woke = bool(raw.notifies)
+    del raw.notifies[:]
+    return woke

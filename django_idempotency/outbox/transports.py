@@ -49,7 +49,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from django.core.exceptions import ImproperlyConfigured
@@ -60,7 +60,8 @@ from django_idempotency import telemetry
 from django_idempotency.conf import SETTING_NAME, conf
 from django_idempotency.events.core import EVENT_ID_KEY
 from django_idempotency.exceptions import log_text
-from django_idempotency.outbox import celery_copies, celery_redis
+from django_idempotency.extras import missing_extra
+from django_idempotency.outbox import celery_calls, celery_canvas, celery_copies, celery_redis
 from django_idempotency.outbox.saferepr import task_repr
 
 if TYPE_CHECKING:
@@ -82,8 +83,23 @@ logger = logging.getLogger(__name__)
 _UNTRACED = contextlib.nullcontext()
 """The context of a message's publish when no span is recorded (reusable, it does nothing)."""
 
-CELERY_OPTIONS = frozenset({"queue", "routing_key", "exchange", "priority", "expires"})
-"""The ``apply_async`` options a Celery message may carry in its payload's ``"options"``."""
+CELERY_OPTIONS = frozenset(
+    {*celery_calls.OPTIONS, *celery_canvas.CANVAS_OPTIONS, "eta", "expires", "headers"}
+)
+"""The ``apply_async`` options a Celery message may carry in its payload's ``"options"``
+(:mod:`~django_idempotency.outbox.celery_calls`)."""
+
+#: The options ``send_task`` takes as its own arguments and passes to ``create_task_message``,
+#: not to the broker's publish.
+MESSAGE_FIELDS = (
+    "retries",
+    "shadow",
+    "root_id",
+    "parent_id",
+    "reply_to",
+    "argsrepr",
+    "kwargsrepr",
+)
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,10 @@ class OutboxMessage:
     created_at: datetime
     attempts: int
     """Attempts so far, this one included."""
+    due_at: datetime | None = None
+    """When it is due (a countdown counted from its commit, or an eta); None: at once. The
+    relay sends it at once to a transport whose ``delayed_delivery`` is true (Celery passes it
+    on as the task's eta), and holds it until then for the others."""
 
     @classmethod
     def from_entry(cls, row: OutboxEntry | Claimed) -> OutboxMessage:
@@ -119,6 +139,7 @@ class OutboxMessage:
             ordering_key=row.ordering_key,
             created_at=row.created_at,
             attempts=row.attempts,
+            due_at=row.due_at,
         )
 
 
@@ -280,7 +301,22 @@ class CeleryTransport:
     :param fast_redis: on Redis, write each batch in a pipeline of its own with the messages
         kombu would write (:mod:`~django_idempotency.outbox.celery_redis`), about a third of
         the time per message; ``False`` publishes through kombu's ``Producer.batch`` instead.
+    :param hold_until_due: a delayed message (a countdown, an eta) is held by the relay until
+        it is due, then sent with its eta (past by then, so a worker runs it at once), instead
+        of going to the broker at once for a worker to hold. For long delays on Redis, whose
+        ``visibility_timeout`` (an hour by default) redelivers a message a worker holds longer
+        than that; and so that workers do not keep thousands of future tasks in memory.
+
+    A delayed message (:attr:`OutboxMessage.due_at`) carries the task's eta as ``apply_async``
+    would set it: the due time (a countdown counted from the commit), in the app's time zone;
+    ``expires`` in seconds counts from that due time (``publish()`` stores it so).
     """
+
+    @property
+    def delayed_delivery(self) -> bool:
+        """Whether the relay sends a delayed message at once, with its eta (the worker holds
+        it): not with ``hold_until_due``, nor eagerly (no broker, no worker to hold it)."""
+        return not self.hold_until_due and not self._eager
 
     def __init__(
         self,
@@ -291,6 +327,7 @@ class CeleryTransport:
         connect_timeout: float = 5.0,
         timeout: float = 10.0,
         fast_redis: bool = True,
+        hold_until_due: bool = False,
     ) -> None:
         for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -302,16 +339,22 @@ class CeleryTransport:
         self.confirm_publish = confirm_publish
         self.transactions = transactions
         self.fast_redis = bool(fast_redis)
+        self.hold_until_due = bool(hold_until_due)
         self.connect_timeout = float(connect_timeout)
         self.timeout = float(timeout)
         self._connection: Any = None
         self._producer: Any = None
         self._confirms: _Confirms | None = None
+        self._task_serializers: dict[str, str | None] = {}
+        """The serializer of each task registered here, by name, as first looked up."""
 
     @property
     def app(self) -> Celery:
         if self._app_spec is None:
-            from celery import current_app
+            try:
+                from celery import current_app
+            except ImportError as error:
+                raise missing_extra("celery", "CeleryTransport") from error
 
             return current_app._get_current_object()  # type: ignore[attr-defined,no-any-return]
         if isinstance(self._app_spec, str):
@@ -591,7 +634,15 @@ class CeleryTransport:
         (:mod:`.celery_copies`); ``kind`` is what remembering it as that first one needs."""
         if redis is None and not copies.on:
             return (), False
-        args, kwargs, given = _envelope_parts(message.destination, message.payload)
+        args, kwargs, given, serializer = self._arguments(self.app, message, settings.serializer)
+        # What argsrepr shows: the values, not kombu's tags (computed only for a copy).
+        show = celery_calls.shown if serializer == "json" else _same
+        if message.due_at is not None or given.get("expires") is not None or "eta" in given:
+            return (), False  # its eta and expiry are its own: built by Celery
+        if given.get("headers"):
+            return (), False  # headers of its own that the template's would not have
+        if any(given.get(option) for option in celery_canvas.CANVAS_OPTIONS):
+            return (), False  # callbacks or a chain in its body: built by Celery
         headers = {**message.headers, EVENT_ID_KEY: message.event_id}
         kind = celery_copies.kind(message.destination, given, headers)
         copy = (
@@ -604,13 +655,39 @@ class CeleryTransport:
             task_id=message.event_id,
             args=args,
             kwargs=kwargs,
-            argsrepr=lambda: task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
+            argsrepr=lambda: task_repr(
+                show(args) or (), settings.argsrepr_size, settings.repr_levels
+            ),
             kwargsrepr=lambda: task_repr(
-                kwargs or {}, settings.kwargsrepr_size, settings.repr_levels
+                show(kwargs) or {}, settings.kwargsrepr_size, settings.repr_levels
             ),
             headers=headers,
         )
         return kind, copied
+
+    def _arguments(
+        self, app: Celery, message: OutboxMessage, default: str | None = None
+    ) -> tuple[list[Any], dict[str, Any], dict[str, Any], str]:
+        """``(args, kwargs, options, serializer)`` of a message: its arguments as the task's
+        serializer gets them (the stored JSON for kombu's JSON, decoded for another), its own
+        options, and that serializer (the message's, the task's, or the app's: ``default``,
+        when the caller has read it)."""
+        args, kwargs, given = _envelope_parts(message.destination, message.payload)
+        serializer = given.get("serializer")
+        if serializer is None:
+            destination = message.destination
+            if destination in self._task_serializers:  # a dict lookup, not the registry's
+                serializer = self._task_serializers[destination]
+            else:
+                registry: Any = getattr(app, "_tasks", None)
+                task = registry.get(destination) if registry is not None else None
+                serializer = getattr(task, "serializer", None)
+                if task is not None:
+                    self._task_serializers[destination] = serializer
+            serializer = serializer or default or app.conf.task_serializer
+        if serializer != "json":
+            args, kwargs = celery_calls.arguments(args, kwargs, serializer)
+        return args, kwargs, given, serializer
 
     def _task_message(
         self, app: Celery, settings: _AppSettings, message: OutboxMessage
@@ -618,14 +695,21 @@ class CeleryTransport:
         """The task message ``send_task`` would build, and its publish options.
 
         The same steps as ``Celery.send_task``, for the options an outbox message may carry:
-        the task's own options when it is registered here, the router, ``expires`` as the
-        broker's ``expiration``, ``create_task_message``. The app settings it reads are read
-        once per call (:class:`_AppSettings`): each read costs more than the rest of a message.
+        the task's own options when it is registered here, the router, the eta (the due time)
+        and ``expires``, which is also the broker's ``expiration``, ``create_task_message``. The
+        app settings it reads are read once per call (:class:`_AppSettings`): each read costs
+        more than the rest of a message.
         """
-        args, kwargs, given = _envelope_parts(message.destination, message.payload)
+        args, kwargs, given, serializer = self._arguments(app, message, settings.serializer)
         name = message.destination
+        own_headers = given.pop("headers", None) or {}
+        # link, link_error and chain: the body's callbacks, errbacks and chain, as send_task
+        # writes them (stored as kombu's JSON: decoded for another serializer).
+        canvas = {option: given.pop(option, None) for option in celery_canvas.CANVAS_OPTIONS}
+        if serializer != "json":
+            canvas = {k: celery_calls.decode(v) if v else v for k, v in canvas.items()}
         options: dict[str, Any] = {
-            "headers": {**message.headers, EVENT_ID_KEY: message.event_id},
+            "headers": {**own_headers, **message.headers, EVENT_ID_KEY: message.event_id},
             **given,
         }
         # The registry as send_task reads it: without finalizing the app.
@@ -633,14 +717,21 @@ class CeleryTransport:
         task = registry.get(name) if registry is not None else None
         exec_options = getattr(task, "_get_exec_options", None) if task is not None else None
         if exec_options is not None:
-            defaults = {k: v for k, v in exec_options().items() if v is not None}
-            options = {**defaults, **options}
+            # As apply_async: the task's options, None ones included (a priority of None
+            # leaves the message without one, where kombu's default would write 0).
+            options = {**exec_options(), **options}
         time_limit = options.pop("time_limit", None)
         soft_time_limit = options.pop("soft_time_limit", None)
         expires = options.pop("expires", None)
         ignore_result = options.pop("ignore_result", None)
+        if ignore_result is None and task is not None:
+            ignore_result = bool(getattr(task, "ignore_result", False))  # as apply_async
+        fields = {k: options.pop(k) for k in MESSAGE_FIELDS if k in options}
+        eta, expires = _times(app, message, options, expires)
         task_type: Any = task  # send_task passes the registered task instance too
         options = app.amqp.router.route(options, name, tuple(args), kwargs, task_type)
+        if eta is not None:
+            _native_delayed_delivery(app, self._connection, options, eta)
         if expires is not None:
             # As send_task: a moment (an ISO 8601 string is the one JSON can store) or seconds.
             if isinstance(expires, (datetime, str)):
@@ -651,20 +742,34 @@ class CeleryTransport:
             else:
                 seconds = float(expires)
             options["expiration"] = max(0.0, seconds)
+        fields.setdefault("reply_to", settings.reply_to)
+        # What create_task_message computes itself, with the same settings, read once.
+        if "argsrepr" not in fields:
+            # Of the values, as apply_async writes it: UUID('...'), not the stored kombu tag.
+            shown = celery_calls.shown(args) if serializer == "json" else args
+            fields["argsrepr"] = task_repr(
+                shown or (), settings.argsrepr_size, settings.repr_levels
+            )
+        if "kwargsrepr" not in fields:
+            shown = celery_calls.shown(kwargs) if serializer == "json" else kwargs
+            fields["kwargsrepr"] = task_repr(
+                shown or {}, settings.kwargsrepr_size, settings.repr_levels
+            )
         task_message = app.amqp.create_task_message(
             message.event_id,
             name,
             args,
             kwargs,
+            eta=eta,
             expires=expires,
-            reply_to=settings.reply_to,
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
             create_sent_event=settings.sent_event,
-            # What create_task_message computes itself, with the same settings, read once.
-            argsrepr=task_repr(args or (), settings.argsrepr_size, settings.repr_levels),
-            kwargsrepr=task_repr(kwargs or {}, settings.kwargsrepr_size, settings.repr_levels),
             ignore_result=ignore_result,
+            callbacks=canvas["link"] or None,
+            errbacks=canvas["link_error"] or None,
+            chain=canvas["chain"] or None,
+            **fields,
             **options,
         )
         options.pop("stamped_headers", None)
@@ -672,21 +777,39 @@ class CeleryTransport:
 
     def _send_eager(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         """No broker (tests, a demo): run each task here and now, as ``delay()`` would; its
-        exception counts as a failed send, and holds back the later messages of its key."""
+        exception counts as a failed send, and holds back the later messages of its key. The
+        arguments go through the task's serializer and back, as ``apply_async`` does eagerly."""
+        from celery.canvas import signature
+        from kombu import serialization
+
         call = _Call(messages)
         app = self.app
         for index, message in enumerate(messages):
             if call.held_back(index):
                 continue
             try:
-                args, kwargs, _ = _envelope_parts(message.destination, message.payload)
-                app.tasks[message.destination].apply(
+                args, kwargs, given, serializer = self._arguments(app, message)
+                if serializer == "json":
+                    args, kwargs = celery_calls.decode(args), celery_calls.decode(kwargs)
+                else:
+                    content_type, encoding, data = serialization.dumps((args, kwargs), serializer)
+                    args, kwargs = serialization.loads(
+                        data, content_type, encoding, accept=[content_type]
+                    )
+                own_headers = given.get("headers") or {}
+                link, link_error = given.get("link"), given.get("link_error")
+                result = app.tasks[message.destination].apply(
                     args=tuple(args),
                     kwargs=dict(kwargs),
                     task_id=message.event_id,
-                    headers={**message.headers, EVENT_ID_KEY: message.event_id},
+                    headers={**own_headers, **message.headers, EVENT_ID_KEY: message.event_id},
+                    link=celery_calls.decode(link) if link else None,
+                    link_error=celery_calls.decode(link_error) if link_error else None,
                     throw=True,
                 )
+                # Task.apply runs no chain: its steps, one after the other, as _chain.apply.
+                for step in reversed(celery_calls.decode(given.get("chain") or [])):
+                    result = signature(step, app=app).apply((result.result,), throw=True)
             except Exception as exc:  # noqa: BLE001 - reported to the relay, which retries
                 call.fail(index, exc)
         return call.results
@@ -716,10 +839,18 @@ class CeleryTransport:
             logger.debug("closing the Celery transport's connection failed", exc_info=True)
 
 
+def _same(value: Any) -> Any:
+    return value
+
+
 def _envelope_parts(
-    destination: str, payload: Any
+    destination: str,
+    payload: Any,
+    receiver: str = "Celery task",
+    writer: str = "outbox.publish()",
 ) -> tuple[list[Any], dict[str, Any], dict[str, Any]]:
-    """``(args, kwargs, options)`` of a Celery payload, or TypeError."""
+    """``(args, kwargs, options)`` of an ``{"args", "kwargs", "options"}`` payload (Celery's, and
+    Dramatiq's), or TypeError naming the ``receiver`` kind and the ``writer`` of such payloads."""
     if (
         not isinstance(payload, Mapping)
         or not {"args", "kwargs"} <= set(payload)
@@ -730,11 +861,60 @@ def _envelope_parts(
         or not isinstance(payload.get("options") or {}, Mapping)
     ):
         raise TypeError(
-            f"A message to Celery task {log_text(destination)} needs an "
+            f"A message to {receiver} {log_text(destination)} needs an "
             "{'args': [...], 'kwargs': {...}, 'options': {...}} payload, not "
-            f"{log_text(repr(payload)[:200])}; write it with outbox.publish()."
+            f"{log_text(repr(payload)[:200])}; write it with {writer}."
         )
     return list(payload["args"]), dict(payload["kwargs"]), dict(payload.get("options") or {})
+
+
+def _times(
+    app: Celery, message: OutboxMessage, options: dict[str, Any], expires: Any
+) -> tuple[Any, Any]:
+    """``(eta, expires)`` as ``apply_async`` would have set them. An eta given as a moment goes
+    as it was given. A message due later without one (a countdown, counted from its commit) has
+    its due time as its eta, in the app's time zone, and an ``expires`` in seconds counts from
+    that due time; without a due time, from now (as ``send_task`` counts it)."""
+    eta = options.pop("eta", None)
+    if eta is not None or message.due_at is None:
+        return eta, expires
+    eta = message.due_at.astimezone(app.timezone)
+    if expires is not None and not isinstance(expires, (str, datetime)):
+        expires = (message.due_at + timedelta(seconds=float(expires))).astimezone(app.timezone)
+    return eta, expires
+
+
+def _native_delayed_delivery(
+    app: Celery, connection: Any, options: dict[str, Any], eta: Any
+) -> None:
+    """What ``send_task`` does to a delayed message for quorum queues (Celery 5.5's native
+    delayed delivery on RabbitMQ): route it through the ``celery_delayed_27`` exchange, with
+    the delay in its routing key; a direct exchange cannot, and Celery only warns."""
+    from celery.utils.quorum_queues import detect_quorum_queues
+
+    if connection is None or not detect_quorum_queues(app, connection.transport.driver_type)[0]:
+        return
+    queue = options.get("queue")
+    exchange_type = queue.exchange.type if queue else options.get("exchange_type")
+    if exchange_type == "direct":
+        logger.warning(
+            "outbox: a delayed message for a direct exchange on quorum queues: Celery's native "
+            "delayed delivery needs a topic or fanout exchange (the worker may hold the message "
+            "until its eta)"
+        )
+        return
+    from kombu import Exchange
+    from kombu.transport.native_delayed_delivery import calculate_routing_key
+
+    moment = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    countdown = (moment - app.now()).total_seconds()
+    if countdown > 0:
+        routing_key = str(queue.routing_key if queue else options.get("routing_key"))
+        options.pop("queue", None)
+        options["routing_key"] = calculate_routing_key(int(countdown), routing_key)
+        options["exchange"] = Exchange("celery_delayed_27", type="topic")
 
 
 @dataclass(frozen=True)
@@ -746,10 +926,12 @@ class _AppSettings:
     argsrepr_size: int
     kwargsrepr_size: int
     reply_to: str
+    serializer: str
 
     @classmethod
     def read(cls, app: Celery) -> _AppSettings:
         return cls(
+            serializer=app.conf.task_serializer,
             sent_event=bool(app.conf.task_send_sent_event),
             repr_levels=app.conf.task_repr_maxlevels,
             argsrepr_size=app.amqp.argsrepr_maxsize,

@@ -1,4 +1,5 @@
-"""The purge of the four tables, over every database that is asked for, within one time budget.
+"""The purge of the four tables, and of the flow runs whose record is gone, over every database
+that is asked for, within one time budget.
 
 :func:`purge_all` is what the Celery task :func:`django_idempotency.tasks.purge_expired` and the
 ``idempotency_purge`` command run. It purges ``IDEMPOTENCY["DATABASE"]`` by default, or each
@@ -20,6 +21,7 @@ from django_idempotency.conf import conf
 from django_idempotency.managers import _batch_size, _max_seconds
 from django_idempotency.models import (
     EventDelivery,
+    FlowRun,
     IdempotencyRecord,
     OutboxEntry,
     ProcessedEvent,
@@ -52,6 +54,10 @@ def purge_all(
 ) -> list[PurgeResult]:
     """Purge the four tables of each database within one time budget; one result per table.
 
+    Right after the records, the flow runs whose record is already gone (deleted in raw SQL,
+    or by a version whose purge kept the runs) are deleted too, in the same bounded batches
+    (their result is labelled ``django_idempotency.FlowRun``): a run holds its request's body,
+    which must not outlive its record, whether or not the completer is scheduled.
     ``databases`` lists the aliases to purge (default: ``IDEMPOTENCY["DATABASE"]`` alone).
     Each table of each database gets an equal share of what is left of ``max_seconds`` (a table
     that finishes early leaves its share to the next), so a backlog in one table cannot starve
@@ -65,7 +71,7 @@ def purge_all(
     jobs: list[tuple[str, Any]] = [
         (alias, model.objects.using(alias))
         for alias in aliases
-        for model in (IdempotencyRecord, ProcessedEvent, EventDelivery, OutboxEntry)
+        for model in (IdempotencyRecord, FlowRun, ProcessedEvent, EventDelivery, OutboxEntry)
     ]
     results: list[PurgeResult] = []
     for position, (alias, queryset) in enumerate(jobs):

@@ -97,3 +97,16 @@ class Receipt(models.Model):
 
     def __str__(self) -> str:
         return f"Receipt for ride {self.ride_id}"
+
+
+class ServiceAccount(models.Model):
+    """A principal that is not ``AUTH_USER_MODEL``: an API client an authentication middleware
+    sets as ``request.user``. It has no ``is_active``, as many such models do not."""
+
+    name = models.CharField(max_length=100)
+
+    is_authenticated = True
+    is_anonymous = False
+
+    def __str__(self) -> str:
+        return self.name

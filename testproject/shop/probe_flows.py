@@ -4,7 +4,8 @@
 (a "foreign" call, counted in :data:`REMOTE_CALLS` in this process and as a committed
 ``flow-remote-call`` effect with the call's key as payload) and ``three`` (local,
 ``flow-three``). ``/probe/flow-unresumable/`` is the same with ``two`` marked
-``resumable=False``. Headers, which are not part of the fingerprint, so that a retry may differ:
+``resumable=False``. ``/probe/flow-whoami/`` records who ran each of its two phases.
+Headers, which are not part of the fingerprint, so that a retry may differ:
 
 * ``X-Flow-Raise: <phase>`` raises :class:`ProbeError` after that phase; ``X-Flow-Raise:
   inside-two`` raises inside the foreign call.
@@ -92,6 +93,38 @@ def flow_probe(request: HttpRequest, flow: Flow) -> HttpResponse:
 @idempotent(phases=True, lease=timedelta(seconds=30))
 def flow_unresumable(request: HttpRequest, flow: Flow) -> HttpResponse:
     return _run(request, flow, resumable=False)
+
+
+def whoami(request: HttpRequest) -> str:
+    """``<model label>:<pk>`` of ``request.user``, or ``anonymous``."""
+    user = request.user
+    if not user.is_authenticated:
+        return "anonymous"
+    return f"{user._meta.label_lower}:{user.pk}"
+
+
+@csrf_exempt
+@idempotent(phases=True, lease=timedelta(seconds=30))
+def flow_whoami(request: HttpRequest, flow: Flow) -> HttpResponse:
+    """Two phases, each recording who ran it (``whoami-one``/``-two`` effects, payload
+    ``<key> <whoami>``); ``X-Flow-Raise: one`` raises between them, and with ``?members-only``
+    an anonymous request is answered 200 between them."""
+    key = request.headers.get("Idempotency-Key", "")
+    flow.phase(
+        "one",
+        lambda: Effect.objects.create(name="whoami-one", payload=f"{key} {whoami(request)}").pk,
+        compensate=_undo("whoami-undo-one", key),
+    )
+    if request.headers.get("X-Flow-Raise") == "one":
+        raise ProbeError("raised after phase one")
+    if "members-only" in request.GET and not request.user.is_authenticated:
+        # A check of the user between phases, answered with a status that is stored.
+        return JsonResponse({"user": "anonymous", "members": False}, status=200)
+    flow.phase(
+        "two",
+        lambda: Effect.objects.create(name="whoami-two", payload=f"{key} {whoami(request)}").pk,
+    )
+    return JsonResponse({"user": whoami(request)}, status=201)
 
 
 @receiver(phase_ran, dispatch_uid="probe-crash-ran")

@@ -1,11 +1,11 @@
 """Views that exist for the test suite (counting effects, sleeping, failing on purpose)."""
 
-from django.urls import URLPattern, path
+from django.urls import URLPattern, URLResolver, path
 
-from testproject.shop import outbox_probe, probe_flows
+from testproject.shop import outbox_probe, probe_flows, probe_protection
 from testproject.shop import probe_views as views
 
-urlpatterns: list[URLPattern] = [
+urlpatterns: list[URLPattern | URLResolver] = [
     path("effect/", views.effect, name="probe-effect"),
     path("form/", views.form, name="probe-form"),
     path("required/", views.required, name="probe-required"),
@@ -16,6 +16,8 @@ urlpatterns: list[URLPattern] = [
     path("nested-atomic/", views.nested_atomic, name="probe-nested-atomic"),
     path("cbv/", views.ClassBased.as_view(), name="probe-cbv"),
     path("drf/apiview/", views.DrfApiView.as_view(), name="probe-drf-apiview"),
+    path("drf/atomic-mixin/", views.DrfAtomicMixin.as_view()),
+    path("cbv-dispatch/", views.ClassDispatch.as_view()),
     path("drf/method-decorator/", views.DrfMethodDecorated.as_view()),
     path("drf/data-permission/", views.DrfDataPermission.as_view()),
     path("drf/viewset/", views.DrfViewSet.as_view({"post": "create"}), name="probe-drf-viewset"),
@@ -33,5 +35,16 @@ urlpatterns: list[URLPattern] = [
     path("mw/drf/viewset-lease/", views.DrfViewSetLease.as_view({"post": "create"})),
     path("flow/", probe_flows.flow_probe, name="probe-flow"),
     path("flow-unresumable/", probe_flows.flow_unresumable, name="probe-flow-unresumable"),
+    path("flow-whoami/", probe_flows.flow_whoami, name="probe-flow-whoami"),
     path("outbox/order-then-die/", outbox_probe.order_then_die, name="probe-outbox-die"),
+    path("outbox/effect/", outbox_probe.effect_and_event, name="probe-outbox-effect"),
+    path("secret/", probe_protection.secret_echo, name="probe-secret"),
 ]
+
+try:  # django-ninja is the "ninja" extra, which the lowest job may not install
+    from testproject.shop import probe_ninja
+except ImportError:  # pragma: no cover - tests/test_http_ninja.py skips then
+    pass
+else:
+    urlpatterns.append(path("ninja/", probe_ninja.api.urls))
+    urlpatterns.append(path("ninja-v2/", probe_ninja.api_v2.urls))

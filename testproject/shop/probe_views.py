@@ -277,6 +277,26 @@ class DrfSafe(IdempotentMixin, APIView):
         return Response(effect_payload(request, effect), status=201)
 
 
+class DrfAtomicMixin(IdempotentMixin, APIView):
+    """Atomic mode through the mixin, open to anyone."""
+
+    permission_classes: list[type] = []
+
+    def post(self, request: Request) -> Response:
+        effect = record_effect(request, "drf-atomic-mixin")
+        return Response(effect_payload(request, effect), status=201)
+
+
+@method_decorator(csrf_exempt, name="dispatch")
+@method_decorator(idempotent, name="dispatch")
+class ClassDispatch(View):
+    """A class-based view whose ``dispatch`` is decorated: ``as_view()`` copies what the
+    decorator marks on it (non-atomic requests) to the view function."""
+
+    def post(self, request: HttpRequest) -> HttpResponse:
+        return effect_response(request, record_effect(request, "cbv-dispatch"))
+
+
 class DrfLease(IdempotentMixin, APIView):
     """Lease mode through the mixin: non-atomic under ATOMIC_REQUESTS by itself."""
 

@@ -307,3 +307,25 @@ def ordered_effect(self: IdempotentConsumer, key: str, seq: int) -> str:
     (one transaction less per message)."""
     Effect.objects.create(name="shop.ordered_effect", payload=f"{key}:{seq}")
     return "applied"
+
+
+# --- Callbacks and chains of an idempotent consumer (tests/test_celery_canvas_worker.py) ---------
+
+
+@shared_task(base=IdempotentConsumer, bind=True, name="shop.effect_result")
+def effect_result(self: IdempotentConsumer, event_id: str, unstorable: bool = False) -> Any:
+    """Write one Effect and return ``"<event id>:result"``, which its ``link`` callbacks and its
+    chain's next task receive; with ``unstorable``, a result the outbox cannot store."""
+    _effect(self)
+    return object() if unstorable else f"{event_id}:result"
+
+
+@shared_task(name="shop.follow_up")
+def follow_up(previous: Any = None, tag: str = "") -> str:
+    """A plain task (not idempotent): one Effect ``shop.follow_up<tag>`` per run, whose payload
+    is what it received. Returns ``"<previous>+<tag>"`` for the next task of a chain."""
+    Effect.objects.create(name=f"shop.follow_up{tag}", payload=str(previous))
+    return f"{previous}+{tag}"
+
+
+from testproject.shop import call_probe  # noqa: E402, F401 - registers shop.probe_call and Money

@@ -26,17 +26,21 @@ class Command(BaseCommand):
             "--replay-dead-letters",
             action="store_true",
             help="Instead of consuming: put the consumer's dead-lettered messages back on their "
-            "topics (un-parking their events), then exit.",
+            "topics (un-parking their events), then exit. Says 'nothing to replay' at once when "
+            "no dead-letter topic exists, and waits at most a minute (by default) for its "
+            "consumer group.",
         )
+
+    def _say(self, line: str) -> None:
+        """A progress line of the replay, shown at once (stdout may be a pipe to a log)."""
+        self.stdout.write(line)
+        self.stdout.flush()
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
             settings = consumer_settings(options["consumer"])
-            from django_idempotency.kafka.runner import (
-                ConsumerRunner,
-                DeadLetterFailed,
-                replay_dead_letters,
-            )
+            from django_idempotency.kafka.replay import replay_dead_letters
+            from django_idempotency.kafka.runner import ConsumerRunner, DeadLetterFailed
         except ImproperlyConfigured as exc:
             raise CommandError(str(exc)) from exc
         except ImportError as exc:
@@ -45,9 +49,12 @@ class Command(BaseCommand):
             ) from exc
         if options["replay_dead_letters"]:
             try:
-                replayed = replay_dead_letters(settings)
+                replayed = replay_dead_letters(settings, echo=self._say)
             except DeadLetterFailed as exc:
-                raise CommandError(f"{exc}; run it again once the topic takes writes.") from exc
+                raise CommandError(
+                    f"{exc}. The dead letters not replayed stay on their topic: run this "
+                    "again once the cause is fixed."
+                ) from exc
             self.stdout.write(
                 ", ".join(f"{n} {what}" for what, n in sorted(replayed.items()))
                 or "nothing to replay"

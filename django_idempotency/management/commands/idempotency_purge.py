@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import json
-from argparse import ArgumentParser, ArgumentTypeError
+from argparse import ArgumentParser
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError
 
-from django_idempotency.conf import MAX_BATCH_SIZE, MAX_SECONDS, conf
+from django_idempotency.conf import conf
+from django_idempotency.management.arguments import add_batch_arguments
 from django_idempotency.retention.purge import purge_all, purged_databases
 from django_idempotency.retention.reports import PurgeResult
-
-
-def _batch_size(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if not 1 <= value <= MAX_BATCH_SIZE:
-        raise ArgumentTypeError(f"must be from 1 to {MAX_BATCH_SIZE}, not {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
-    if not 0 <= value <= MAX_SECONDS:  # NaN fails this too
-        raise ArgumentTypeError(f"must be from 0 (no limit) to {MAX_SECONDS:.0f}, not {text}")
-    return value
 
 
 class Command(BaseCommand):
@@ -44,19 +25,10 @@ class Command(BaseCommand):
         parser.add_argument(
             "--dry-run", action="store_true", help="Count what would be deleted; delete nothing."
         )
-        parser.add_argument(
-            "--batch-size",
-            type=_batch_size,
-            default=None,
-            metavar="N",
-            help='Rows per transaction (default: IDEMPOTENCY["PURGE_BATCH_SIZE"]).',
-        )
-        parser.add_argument(
-            "--max-seconds",
-            type=_seconds,
-            default=None,
-            metavar="S",
-            help='Time budget, 0 for none (default: IDEMPOTENCY["PURGE_MAX_SECONDS"]).',
+        add_batch_arguments(
+            parser,
+            seconds_default=None,
+            seconds_help='Time budget, 0 for none (default: IDEMPOTENCY["PURGE_MAX_SECONDS"]).',
         )
         parser.add_argument(
             "--database",
@@ -105,6 +77,8 @@ class Command(BaseCommand):
         from django.apps import apps
 
         name = apps.get_model(result.label)._meta.verbose_name_plural
+        if result.label == "django_idempotency.FlowRun":
+            name = f"{name} without a record"  # the orphans: a record's runs go with it
         verb = "would delete" if result.dry_run else "deleted"
         where = "" if result.database in (None, conf.DATABASE) else f"[{result.database}] "
         text = (

@@ -18,7 +18,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import MAX_SECONDS
-from django_idempotency.management.commands.idempotency_purge import _batch_size
+from django_idempotency.management.arguments import batch_size
 from django_idempotency.outbox.relay import BatchResult, Relay
 from django_idempotency.outbox.transports import close_transports
 from django_idempotency.retention.purge import purged_databases
@@ -43,7 +43,7 @@ class Command(BaseCommand):
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument("--once", action="store_true", help="Send what is due, then exit.")
         parser.add_argument(
-            "--batch-size", type=_batch_size, default=500, metavar="N", help="(default 500)"
+            "--batch-size", type=batch_size, default=500, metavar="N", help="(default 500)"
         )
         parser.add_argument(
             "--poll-interval",

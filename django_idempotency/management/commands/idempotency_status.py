@@ -19,7 +19,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from django_idempotency.conf import MAX_SECONDS
+from django_idempotency.management.arguments import seconds
 from django_idempotency.retention.purge import purged_databases
 from django_idempotency.status import Status, collect
 
@@ -27,16 +27,6 @@ EXCEEDED = 1
 """The exit code when a threshold is exceeded."""
 UNUSABLE = 2
 """The exit code of a usage error or a database that cannot be read (argparse's own is 2)."""
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ArgumentTypeError(f"must be a number of seconds, not {text!r}") from None
-    if not 0 <= value <= MAX_SECONDS:  # NaN and infinity fail this too
-        raise ArgumentTypeError(f"must be zero or a positive number of seconds, not {text}")
-    return value
 
 
 def _count(text: str) -> int:
@@ -93,7 +83,7 @@ class Command(BaseCommand):
         parser.add_argument("--database", default=None, help='Default: IDEMPOTENCY["DATABASE"].')
         parser.add_argument(
             "--max-lag",
-            type=_seconds,
+            type=seconds,
             default=None,
             metavar="SECONDS",
             help="Exit 1 if the oldest pending outbox message is older than this.",

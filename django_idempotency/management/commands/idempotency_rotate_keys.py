@@ -1,0 +1,138 @@
+"""``manage.py idempotency_rotate_keys``: re-encrypt stored data with the newest key, in batches.
+
+Also ``--generate-key``, which prints a new key for ``ENCRYPTION_KEYS``.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import time
+from argparse import ArgumentParser
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, OutputWrapper
+
+from django_idempotency.conf import ENCRYPTION_KEY_BYTES
+from django_idempotency.management.arguments import add_batch_arguments
+from django_idempotency.protection.core import RotationError, RotationResult, rotate_keys
+from django_idempotency.protection.keys import keyring
+from django_idempotency.retention.purge import purged_databases
+
+BAR_WIDTH = 30
+
+
+class ProgressBar:
+    """A bar on ``stream`` per table: redrawn in place on a terminal, else a line per 10%."""
+
+    def __init__(self, stream: OutputWrapper, started: float) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = started
+        self.shown: dict[str, int] = {}
+
+    def __call__(self, table: str, done: int, last: int, resealed: int) -> None:
+        share = 1.0 if last <= 0 else min(done / last, 1.0)
+        tenth = int(share * 10)
+        if not self.tty and self.shown.get(table, -1) >= tenth:
+            return
+        self.shown[table] = tenth
+        filled = int(share * BAR_WIDTH)
+        line = (
+            f"{table}: [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {share:4.0%} "
+            f"(id {done} of {last}), {resealed} re-encrypted, "
+            f"{time.monotonic() - self.started:.1f}s"
+        )
+        ending = "" if self.tty else "\n"
+        self.stream.write(f"\r{line}" if self.tty else line, style_func=str, ending=ending)
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("")
+
+
+class Command(BaseCommand):
+    help = (
+        "Re-encrypt stored responses, phased requests and outbox payloads with the newest key "
+        "of ENCRYPTION_KEYS, in batches of one short transaction each, beside live traffic. "
+        "Stopped at any point, it goes on where it was when run again."
+    )
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--generate-key",
+            action="store_true",
+            help="Print a new random key for ENCRYPTION_KEYS, and do nothing else.",
+        )
+        add_batch_arguments(
+            parser,
+            seconds_default=0,
+            seconds_help="Time budget, 0 for none (the default); the next run goes on.",
+        )
+        parser.add_argument(
+            "--database",
+            default=None,
+            metavar="ALIAS",
+            help='The database alias to rotate (default: IDEMPOTENCY["DATABASE"]).',
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["generate_key"]:
+            key = base64.urlsafe_b64encode(os.urandom(ENCRYPTION_KEY_BYTES)).decode("ascii")
+            self.stdout.write(key)
+            return
+        try:
+            ring = keyring()
+        except (ImproperlyConfigured, ImportError) as exc:
+            raise CommandError(str(exc)) from exc
+        if ring is not None and options["verbosity"]:
+            self.stdout.write(
+                f"Newest key: {ring.newest_id}; "
+                f"older keys still read: {', '.join(ring.key_ids[1:]) or 'none'}."
+            )
+        started = time.monotonic()
+        progress = ProgressBar(self.stderr, started) if options["verbosity"] else None
+        try:
+            results = rotate_keys(
+                using=purged_databases(options["database"])[0],
+                batch_size=options["batch_size"],
+                max_seconds=options["max_seconds"],
+                progress=progress,
+            )
+        except (RotationError, ValueError, ImproperlyConfigured) as exc:
+            raise CommandError(str(exc)) from exc
+        finally:
+            if progress is not None:
+                progress.end()
+        for result in results:
+            self.stdout.write(self._line(result))
+        if any(result.undecryptable for result in results):
+            self.stdout.write(
+                self.style.WARNING(
+                    "Some rows open with none of the keys (each is logged at ERROR with its "
+                    "key id): they were left as they are. Put their key back to rotate them."
+                )
+            )
+        if not all(result.finished for result in results):
+            self.stdout.write(
+                self.style.WARNING("The time budget ran out first; the next run goes on.")
+            )
+        elif ring is not None and not any(result.undecryptable for result in results):
+            self.stdout.write(
+                f"Done: everything is sealed with key {ring.newest_id}. The older keys can be "
+                "removed from ENCRYPTION_KEYS once no process started before this run writes."
+            )
+
+    @staticmethod
+    def _line(result: RotationResult) -> str:
+        text = (
+            f"{result.table}: re-encrypted {result.resealed} in {result.batches} "
+            f"batch{'es' if result.batches != 1 else ''} ({result.seconds:.2f}s)"
+        )
+        if result.undecryptable:
+            text += f", {result.undecryptable} undecryptable left as they are"
+        if not result.finished:
+            text += ", stopped at the time budget"
+        return text

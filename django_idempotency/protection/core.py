@@ -1,0 +1,474 @@
+"""Data protection: what is encrypted at rest, and how keys are rotated and an owner erased.
+
+It knows nothing of ``HttpRequest``: the HTTP core, the flows and the outbox call it with plain
+values, and the commands and the admin call :func:`rotate_keys` and :func:`erase_owner`.
+
+**What is sealed** (with the newest of ``ENCRYPTION_KEYS``, :mod:`.keys`), when keys are set:
+
+* a completed record's response: its headers and body go, together, into ``response_body``,
+  and ``response_headers`` keeps only the marker ``{"@sealed": "<key id>"}``;
+* a flow run's ``request`` (method, path and query, host, body, principal) and ``results``,
+  each as ``{"@sealed": "<key id>", "@data": "<base64>"}``;
+* with ``OUTBOX_ENCRYPT``, an outbox message's ``payload``, in that same form.
+
+Nothing that locates a row is sealed: a record's owner, key, fingerprint, method, path, status
+and times; an event id, a destination, an ordering key. Claims, replays, the relay's order and
+every index work as they do without keys. With no keys set, nothing here runs on a request:
+the same statements store the same bytes as before.
+
+A marker key starts with ``@``, which no header name can contain (``@not-replayable`` already
+marks a response that was not stored), so a stored header is never taken for one.
+
+**Erasure** (:func:`erase_owner`) replaces each completed record of an owner with a tombstone:
+``response_headers = {"@erased": "<when>"}``, no body, no fingerprint, no path, a new token; its
+flow run is deleted. The record keeps its owner, key and expiry, so a retry of the key is
+answered ``410`` (``response-erased``) until the record expires, and the view never runs again.
+
+**Rotation** (:func:`rotate_keys`) re-seals, with the newest key, every completed record, flow
+run and unsent outbox message that is sealed with an older key (or not at all), in batches.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from django_idempotency.conf import SETTING_NAME, conf
+from django_idempotency.exceptions import (
+    IdempotencyError,
+    ProblemError,
+    ResponseErased,
+    ResponseUndecryptable,
+    log_text,
+)
+from django_idempotency.http.owner import display_owner
+from django_idempotency.managers import _batch_size, _max_seconds
+from django_idempotency.protection.keys import Keyring, Undecryptable, keyring, open_sealed
+from django_idempotency.protection.store import (
+    FlowRunRow,
+    OutboxRow,
+    ProtectionStore,
+    RecordRow,
+)
+
+__all__ = [
+    "DATA",
+    "ERASED",
+    "SEALED",
+    "Erased",
+    "ErasureResult",
+    "RotationResult",
+    "Undecryptable",
+    "erase_owner",
+    "open_response",
+    "open_value",
+    "protected",
+    "rotate_keys",
+    "seal_response",
+    "seal_value",
+    "stored_key_id",
+]
+
+logger = logging.getLogger("django_idempotency")
+
+SEALED = "@sealed"
+"""The marker of a sealed value; its value is the key id."""
+DATA = "@data"
+"""Where a sealed JSON value keeps its ciphertext, in base64."""
+ERASED = "@erased"
+"""The marker of an erased record's headers; its value is when it was erased."""
+
+_BODY = b"b"
+_NO_BODY = b"-"
+_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+"""Compact JSON, built once (``json.dumps`` with arguments builds an encoder per call)."""
+
+
+class Erased(IdempotencyError):
+    """The record was erased (:func:`erase_owner`): its response is gone for good."""
+
+
+# --- Contexts: what each sealed value is bound to ------------------------------------------------
+
+
+def _context(kind: bytes, *parts: str) -> bytes:
+    """``kind`` and each part, length-prefixed, so no two different places give one context."""
+    out = [kind]
+    for part in parts:
+        raw = part.encode("utf-8", "surrogatepass")
+        out.append(len(raw).to_bytes(4, "big") + raw)
+    return b"\0".join(out)
+
+
+def record_context(owner: str, key: str) -> bytes:
+    return _context(b"django-idempotency/record", owner, key)
+
+
+def flow_context(record_id: int, field: str) -> bytes:
+    return _context(b"django-idempotency/flow-run", str(record_id), field)
+
+
+def outbox_context(event_id: str) -> bytes:
+    return _context(b"django-idempotency/outbox", event_id)
+
+
+# --- A record's response ------------------------------------------------------------------------
+
+
+def protected(headers: dict[str, Any]) -> bool:
+    """Whether stored ``headers`` are a marker (sealed or erased) rather than the headers."""
+    return SEALED in headers or ERASED in headers
+
+
+def seal_response(
+    ring: Keyring, owner: str, key: str, headers: dict[str, str], body: bytes | None
+) -> tuple[dict[str, str], bytes]:
+    """The ``response_headers`` and ``response_body`` that store a response sealed."""
+    text = _COMPACT.encode(headers).encode("ascii")
+    envelope = (_BODY if body is not None else _NO_BODY) + text + b"\n" + (body or b"")
+    return {SEALED: ring.newest_id}, ring.seal(envelope, record_context(owner, key))
+
+
+def open_response(
+    owner: str, key: str, headers: dict[str, Any], body: bytes | None
+) -> tuple[dict[str, Any], bytes | None]:
+    """The response a record stores: as it is, or opened when sealed.
+
+    Raises :class:`Erased` for an erased record and :class:`Undecryptable` for one that no
+    configured key opens.
+    """
+    if ERASED in headers:
+        raise Erased(f"the record was erased at {headers[ERASED]}")
+    if SEALED not in headers:
+        return headers, body
+    if body is None:
+        raise Undecryptable("the sealed response has no body", key_id=str(headers[SEALED]))
+    envelope = open_sealed(keyring(), body, record_context(owner, key))
+    end = envelope.index(b"\n")
+    opened: dict[str, Any] = json.loads(envelope[1:end].decode("ascii"))
+    return opened, envelope[end + 1 :] if envelope[:1] == _BODY else None
+
+
+def stored_response(
+    owner: str, key: str, headers: dict[str, str], body: bytes | None
+) -> tuple[dict[str, str], bytes | None]:
+    """A response as a record stores it: sealed when ``ENCRYPTION_KEYS`` is set, as it is
+    otherwise (the same values, so the same statement stores the same bytes as before)."""
+    ring = keyring()
+    if ring is None:
+        return headers, body
+    return seal_response(ring, owner, key, headers, body)
+
+
+def replay_problem(error: Erased | Undecryptable, status: int | None) -> ProblemError:
+    """The problem that answers a retry of an erased or undecryptable record."""
+    if isinstance(error, Erased):
+        return ResponseErased(
+            "The request with this idempotency key was already processed, and its stored "
+            "response has since been erased. It will not run again with this key: look the "
+            "result up instead, or send a new request with a new key."
+        )
+    return ResponseUndecryptable(
+        "The request with this idempotency key was already processed, but its stored response "
+        "cannot be decrypted, so it cannot be replayed. Do not retry it; look the result up "
+        "instead.",
+        original_status=status,
+    )
+
+
+def stored_key_id(value: Any) -> str | None:
+    """The key id a stored value (a record's headers, a sealed JSON value) names, if sealed."""
+    if isinstance(value, dict) and SEALED in value:
+        return str(value[SEALED])
+    return None
+
+
+def erased_at(headers: Any) -> str | None:
+    """When a record was erased, or None."""
+    if isinstance(headers, dict) and ERASED in headers:
+        return str(headers[ERASED])
+    return None
+
+
+# --- JSON values: flow runs and outbox payloads -------------------------------------------------
+
+
+def is_sealed_value(value: Any) -> bool:
+    return isinstance(value, dict) and len(value) == 2 and SEALED in value and DATA in value
+
+
+def seal_value(ring: Keyring, value: Any, context: bytes) -> dict[str, str]:
+    """A JSON value sealed, as a JSON object a ``JSONField`` stores."""
+    text = _COMPACT.encode(value).encode("ascii")
+    sealed = ring.seal(text, context)
+    return {SEALED: ring.newest_id, DATA: base64.b64encode(sealed).decode("ascii")}
+
+
+def open_value(value: Any, context: bytes) -> Any:
+    """A stored JSON value: as it is, or opened when sealed; raises :class:`Undecryptable`."""
+    if not is_sealed_value(value):
+        return value
+    try:
+        sealed = base64.b64decode(value[DATA], validate=True)
+    except (ValueError, TypeError):
+        raise Undecryptable("the sealed value is not base64", key_id=str(value[SEALED])) from None
+    return json.loads(open_sealed(keyring(), sealed, context))
+
+
+def seal_value_if_keys(value: Any, context: bytes) -> Any:
+    """``value`` sealed when keys are set; as it is otherwise."""
+    ring = keyring()
+    return value if ring is None else seal_value(ring, value, context)
+
+
+def seal_outbox_payload(payload: Any, event_id: str) -> dict[str, str]:
+    """An outbox payload encrypted with the newest key (``OUTBOX_ENCRYPT``); the relay opens
+    it just before it sends."""
+    ring = keyring()
+    if ring is None:
+        raise ImproperlyConfigured(
+            f"{SETTING_NAME}['OUTBOX_ENCRYPT'] is True, but ENCRYPTION_KEYS is empty (check "
+            "E051): set a key, or turn OUTBOX_ENCRYPT off."
+        )
+    return seal_value(ring, payload, outbox_context(event_id))
+
+
+# --- Erasure ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ErasureResult:
+    """What :func:`erase_owner` did."""
+
+    owner: str
+    records: int
+    """Completed records turned into tombstones (their flow runs deleted)."""
+    unfinished: int
+    """The owner's records still in progress, left as they are: erase again once they end."""
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "owner": self.owner,
+            "records": self.records,
+            "unfinished": self.unfinished,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def erase_owner(
+    owner: str, *, using: str | None = None, batch_size: int | None = None
+) -> ErasureResult:
+    """Erase what the records of ``owner`` store (an erasure request), keeping tombstones.
+
+    Each completed record of ``owner`` loses its response (headers and body), fingerprint and
+    path, and its flow run (the phased request's body and results) is deleted. The record itself
+    stays until it expires, marked erased, so that a retry of its key is answered ``410``
+    (``response-erased``) and never runs the view again. Records still in progress are left and
+    counted (:attr:`ErasureResult.unfinished`): run the erasure again once they have ended.
+
+    ``owner`` is the owner scope as stored (``user:42`` for the user with pk 42, by default).
+    Runs in batches of ``batch_size`` (default ``PURGE_BATCH_SIZE``), one short transaction each.
+    Processed events and outbox messages hold no owner and are left as they are.
+    """
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty string, not {owner!r}.")
+    size = _batch_size(batch_size)
+    store = ProtectionStore(using or conf.DATABASE)
+    started = time.monotonic()
+    tombstone = {ERASED: timezone.now().isoformat(timespec="seconds")}
+    erased = 0
+    after = 0
+    while True:
+        ids = store.records_of_owner(owner, after, size, erased=ERASED)
+        if not ids:
+            break
+        erased += store.erase_records(owner, ids, tombstone)
+        after = ids[-1]
+    unfinished = store.unfinished_of_owner(owner)
+    result = ErasureResult(owner, erased, unfinished, time.monotonic() - started)
+    logger.info(
+        "idempotency erased owner=%s records=%d unfinished=%d",
+        log_text(display_owner(owner)),
+        erased,
+        unfinished,
+        extra={"idempotency_outcome": "erased"},
+    )
+    return result
+
+
+# --- Rotation -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RotationResult:
+    """What :func:`rotate_keys` did to one table."""
+
+    table: str
+    resealed: int
+    """Rows written again, sealed with the newest key."""
+    undecryptable: int
+    """Rows that no configured key opens, left as they are (each logged at ERROR)."""
+    batches: int
+    seconds: float
+    finished: bool
+    """False when the time budget ran out first: run it again to go on."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "table": self.table,
+            "resealed": self.resealed,
+            "undecryptable": self.undecryptable,
+            "batches": self.batches,
+            "seconds": round(self.seconds, 3),
+            "finished": self.finished,
+        }
+
+
+Progress = Callable[[str, int, int, int], None]
+"""``progress(table, last id done, last id of the table, rows resealed so far)``."""
+
+
+class RotationError(IdempotencyError):
+    """The rotation cannot run: no keys are set."""
+
+
+def rotate_keys(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    max_seconds: float | None = None,
+    progress: Progress | None = None,
+) -> list[RotationResult]:
+    """Seal again, with the newest key, what is sealed with an older one or not at all.
+
+    Completed records, flow runs and unsent outbox messages (plaintext ones only with
+    ``OUTBOX_ENCRYPT``) are read in id order, ``batch_size`` at a time (default
+    ``PURGE_BATCH_SIZE``), and each batch is written in one short transaction with a
+    compare-and-swap per row (:mod:`.store`): a row that a request changed meanwhile (taken
+    over, erased, a phase saved) is left to that request, which wrote it with the newest key.
+    A replay meanwhile reads the old value or the new one, and both open to the same bytes.
+
+    Safe to stop at any point (a crash, a ``SIGKILL``, the time budget ``max_seconds``,
+    default ``PURGE_MAX_SECONDS``, 0 for none): what is done stays done, and the next run finds
+    what is left. A row that no configured key opens is left as it is and logged at ERROR.
+    """
+    ring = keyring()
+    if ring is None:
+        raise RotationError(
+            "ENCRYPTION_KEYS is empty: there is no key to rotate to. Put the new key first in "
+            "ENCRYPTION_KEYS, keep the old ones after it, and run the rotation again."
+        )
+    size = _batch_size(batch_size)
+    budget = _max_seconds(max_seconds)
+    store = ProtectionStore(using or conf.DATABASE)
+    deadline = time.monotonic() + budget if budget else None
+    newest = ring.newest_id
+
+    def record(row: RecordRow) -> tuple[Any, ...] | None:
+        try:
+            headers, body = open_response(row.owner, row.key, row.headers, row.body)
+        except Erased:  # erased after the batch was read: nothing left to seal
+            return None
+        return seal_response(ring, row.owner, row.key, headers, body)
+
+    def flow_run(row: FlowRunRow) -> tuple[Any, ...]:
+        sealed = []
+        for field, value in (("request", row.request), ("results", row.results)):
+            context = flow_context(row.record_id, field)
+            sealed.append(seal_value(ring, open_value(value, context), context))
+        return tuple(sealed)
+
+    def message(row: OutboxRow) -> tuple[Any, ...]:
+        context = outbox_context(row.event_id)
+        return (seal_value(ring, open_value(row.payload, context), context),)
+
+    plaintext_too = conf.OUTBOX_ENCRYPT
+    tables: list[tuple[str, str, Callable[[], int], Callable[[int], Sequence[Any]], Any, Any]] = [
+        (
+            "idempotency records",
+            "record",
+            store.last_record_id,
+            lambda after: store.records_to_reseal(
+                after, size, sealed=SEALED, erased=ERASED, key_id=newest
+            ),
+            record,
+            store.reseal_records,
+        ),
+        (
+            "flow runs",
+            "flow run",
+            store.last_flow_run_id,
+            lambda after: store.flow_runs_to_reseal(after, size, sealed=SEALED, key_id=newest),
+            flow_run,
+            store.reseal_flow_runs,
+        ),
+        (
+            "outbox messages",
+            "outbox message",
+            store.last_outbox_id,
+            lambda after: store.outbox_to_reseal(
+                after, size, sealed=SEALED, key_id=newest, plaintext_too=plaintext_too
+            ),
+            message,
+            store.reseal_outbox,
+        ),
+    ]
+    return [_rotate(*table, deadline=deadline, progress=progress) for table in tables]
+
+
+def _rotate(
+    table: str,
+    kind: str,
+    last_id: Callable[[], int],
+    fetch: Callable[[int], Sequence[Any]],
+    reseal: Callable[[Any], tuple[Any, ...] | None],
+    write: Callable[[list[Any]], int],
+    *,
+    deadline: float | None,
+    progress: Progress | None,
+) -> RotationResult:
+    """Rotate one table: batches of rows after the last id done, each opened, sealed again
+    with the newest key and written back (``write``, a compare-and-swap per row)."""
+    started = time.monotonic()
+    last = last_id()
+    after = resealed = undecryptable = batches = 0
+    finished = False
+    while not (deadline is not None and time.monotonic() >= deadline):
+        rows = fetch(after)
+        if not rows:
+            finished = True
+            break
+        writes = []
+        for row in rows:
+            try:
+                sealed = reseal(row)
+            except Undecryptable as error:
+                logger.error(
+                    "idempotency undecryptable %s id=%s key_id=%s: %s",
+                    kind,
+                    row.id,
+                    error.key_id,
+                    log_text(error),
+                    extra={"idempotency_outcome": "undecryptable"},
+                )
+                undecryptable += 1
+                continue
+            if sealed is not None:
+                writes.append((row, *sealed))
+        resealed += write(writes)
+        batches += 1
+        after = rows[-1].id
+        if progress is not None:
+            progress(table, after, max(last, after), resealed)
+    return RotationResult(
+        table, resealed, undecryptable, batches, time.monotonic() - started, finished
+    )

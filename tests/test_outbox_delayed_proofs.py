@@ -1,0 +1,226 @@
+"""Delayed outbox messages with real processes (issue 36): relays (``manage.py
+idempotency_relay``), Celery workers and a producer, on the test database; SIGKILLs.
+
+* A message with ``countdown=5`` held by a relay (``CeleryTransport(hold_until_due=True)``) runs
+  5 s or more after its COMMIT, exactly once, across a SIGKILL of the relay while it holds it.
+* A producer SIGKILLed between its COMMIT and its ``on_commit`` hook: the relay starts the
+  countdown, and the task runs once, no earlier than the countdown after the commit.
+* Kafka: the relay holds the message until it is due, across a SIGKILL, and the later message of
+  its key waits behind it while another key goes at once.
+
+PostgreSQL and MariaDB (the claim and the schedule's SQL differ); the brokers: Redis, and
+RabbitMQ on PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from django.db import connection, transaction
+
+from django_idempotency import new_event_id
+from django_idempotency.models import OutboxEntry
+from django_idempotency.outbox import core as outbox
+from testproject.shop.models import Effect
+from testproject.shop.tasks import effect
+from tests.conftest import require_service
+from tests.outbox_helpers import celery_transports, start_relay, wait_for
+from tests.services import BROKER_URLS
+from tests.workers import REPO, WorkerGroup, database_url, worker_group
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.postgres,
+    pytest.mark.mysql,
+    pytest.mark.timeout(300),
+    pytest.mark.django_db(transaction=True),
+]
+
+FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
+
+
+@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
+def workers(
+    request: pytest.FixtureRequest,
+    django_db_setup: None,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerGroup]:
+    if connection.vendor == "mysql" and request.param != "redis":
+        pytest.skip("MariaDB pass: on Redis (the broker side is proven in the PostgreSQL pass)")
+    require_service(request.param)
+    require_service("redis")
+    with worker_group(
+        broker_url=BROKER_URLS[request.param],
+        db_url=database_url(connection.settings_dict),
+        log_dir=tmp_path_factory.mktemp(f"delayed-{request.param}"),
+        label=f"delayed-{request.param}",
+        workers=1,
+    ) as group:
+        yield group
+
+
+def applied(event_id: str) -> list[Effect]:
+    return list(Effect.objects.filter(name="shop.effect", payload=event_id))
+
+
+def test_a_held_countdown_runs_once_when_due_across_a_sigkill_of_its_relay(
+    workers: WorkerGroup, tmp_path: Path
+) -> None:
+    transports = celery_transports(workers.broker_url, hold_until_due=True)
+    db = database_url(connection.settings_dict)
+    first = start_relay(
+        *FAST_RELAY, db_url=db, transports=transports, log=tmp_path / "relay-1.log",
+        broker_url=workers.broker_url,
+    )  # fmt: skip
+    event_id = str(new_event_id())
+    time.sleep(3)  # the relay is up, listening or polling
+    with transaction.atomic():
+        outbox.publish(effect, kwargs={"event_id": event_id}, queue=workers.queue, countdown=5)
+        before = time.time()
+    committed = (before + time.time()) / 2
+    time.sleep(2)
+    assert OutboxEntry.objects.get(event_id=event_id).state == "pending"  # held
+    first.stop(signal.SIGKILL)
+    second = start_relay(
+        *FAST_RELAY, db_url=db, transports=transports, log=tmp_path / "relay-2.log",
+        broker_url=workers.broker_url,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: bool(applied(event_id)),
+            40,
+            "the held message's effect",
+            lambda: second.output() + workers.logs(),
+        )
+        time.sleep(1.0)  # room for a second effect, if there were one
+    finally:
+        second.stop()
+    (done,) = applied(event_id)
+    assert done.created_at.timestamp() >= committed + 5
+    row = OutboxEntry.objects.get(event_id=event_id)
+    assert (row.state, row.attempts) == ("sent", 1)
+    assert row.sent_at is not None and row.sent_at.timestamp() >= committed + 5
+
+
+PRODUCER = """
+import os, signal, sys, time
+import django
+django.setup()
+from django.db import transaction
+from django_idempotency.outbox import core as outbox
+from testproject.shop.tasks import effect
+
+with transaction.atomic():
+    # Registered first, it runs first after the COMMIT: the outbox's hook never runs.
+    transaction.on_commit(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    outbox.publish(effect, kwargs={"event_id": sys.argv[1]}, queue=sys.argv[2], countdown=3)
+    print(time.time(), flush=True)
+"""
+
+
+def test_a_producer_killed_before_its_hook_leaves_the_countdown_to_the_relay(
+    workers: WorkerGroup, tmp_path: Path
+) -> None:
+    event_id = str(new_event_id())
+    db = database_url(connection.settings_dict)
+    producer = subprocess.run(
+        [sys.executable, "-c", PRODUCER, event_id, workers.queue],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "testproject.settings",
+            "DATABASE_URL": db,
+            "CELERY_BROKER_URL": workers.broker_url,
+        },
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert producer.returncode == -signal.SIGKILL, producer.stderr.decode()
+    committed = float(producer.stdout.decode().split()[-1])
+    row = OutboxEntry.objects.get(event_id=event_id)
+    assert row.available_at is not None and row.available_at.year == 9999  # not started
+
+    relay = start_relay(
+        *FAST_RELAY, db_url=db, transports=celery_transports(workers.broker_url),
+        log=tmp_path / "relay.log", broker_url=workers.broker_url,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: bool(applied(event_id)),
+            40,
+            "the effect",
+            lambda: relay.output() + workers.logs(),
+        )
+        time.sleep(1.0)
+    finally:
+        relay.stop()
+    (done,) = applied(event_id)
+    row = OutboxEntry.objects.get(event_id=event_id)
+    assert row.due_at is not None and row.due_at.timestamp() >= committed + 3
+    assert done.created_at >= row.due_at  # Celery held it until its eta: the due time
+    assert "started the countdown of 1 message" in relay.output()
+
+
+@pytest.mark.usefixtures("django_db_setup")
+def test_kafka_holds_a_message_until_due_and_its_key_behind_it_across_a_sigkill(
+    kafka_cluster: object, tmp_path: Path
+) -> None:
+    pytest.importorskip("confluent_kafka")
+    from django.test import override_settings
+
+    from tests.kafka_cluster import Cluster
+
+    assert isinstance(kafka_cluster, Cluster)
+    topic = kafka_cluster.new_topic("delayed")
+    kafka = {
+        "BACKEND": "django_idempotency.kafka.transport.KafkaTransport",
+        "OPTIONS": {"config": {"bootstrap.servers": kafka_cluster.bootstrap}},
+    }
+    transports = {
+        "default": {"BACKEND": "django_idempotency.outbox.transports.CeleryTransport"},
+        "kafka": kafka,
+    }
+    db = database_url(connection.settings_dict)
+    redis = BROKER_URLS["redis"]
+
+    def relay(log: str) -> object:
+        return start_relay(
+            *FAST_RELAY, db_url=db, transports=json.dumps(transports), log=tmp_path / log,
+            broker_url=redis,
+        )  # fmt: skip
+
+    first = relay("relay-1.log")
+    time.sleep(3)
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}), transaction.atomic():
+        outbox.send(topic, {"n": "held"}, key="k", countdown=4, transport="kafka")
+        outbox.send(topic, {"n": "behind"}, key="k", transport="kafka")
+        outbox.send(topic, {"n": "free"}, key="j", transport="kafka")
+        before = time.time()
+    committed = (before + time.time()) / 2
+    wait_for(lambda: kafka_cluster.count(topic) >= 1, 20, "the free message", first.output)
+    time.sleep(1.0)
+    assert kafka_cluster.count(topic) == 1  # the held one and its key wait
+    first.stop(signal.SIGKILL)
+    second = relay("relay-2.log")
+    try:
+        wait_for(lambda: kafka_cluster.count(topic) >= 3, 40, "all three", second.output)
+        time.sleep(1.0)
+    finally:
+        second.stop()
+    messages = kafka_cluster.read(topic, 3)
+    assert kafka_cluster.count(topic) == 3  # each once
+    by_name = {json.loads(m.value())["n"]: m for m in messages}
+    assert set(by_name) == {"held", "behind", "free"}
+    held, behind = by_name["held"], by_name["behind"]
+    assert held.partition() == behind.partition()
+    assert held.offset() < behind.offset()  # the key's order
+    assert held.timestamp()[1] / 1000 >= committed + 4  # produced once due
