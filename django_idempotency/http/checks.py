@@ -16,6 +16,7 @@ module, which registers them.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
@@ -156,15 +157,23 @@ def _lease_views_in_atomic_requests(views: list[tuple[str, Any]], database: str)
     ]
 
 
-def _exception_middleware_below(middleware: list[str]) -> list[Warning]:
-    below = []
+def _middleware_below(middleware: list[str]) -> Iterator[tuple[str, Any]]:
+    """Each middleware after IdempotencyMiddleware in MIDDLEWARE: its path and what it names
+    (one that cannot be imported is left out: Django reports it)."""
     for path in middleware[middleware.index(MIDDLEWARE_PATH) + 1 :]:
         try:
             middleware_class = import_string(path)
         except ImportError:
             continue  # Django reports it
-        if hasattr(middleware_class, "process_exception"):
-            below.append(path)
+        yield path, middleware_class
+
+
+def _exception_middleware_below(middleware: list[str]) -> list[Warning]:
+    below = [
+        path
+        for path, middleware_class in _middleware_below(middleware)
+        if hasattr(middleware_class, "process_exception")
+    ]
     if not below:
         return []
     return [
@@ -191,11 +200,7 @@ def _urlconf_middleware_below(middleware: list[str]) -> list[Warning]:
     from django.urls import Resolver404
 
     below = []
-    for path in middleware[middleware.index(MIDDLEWARE_PATH) + 1 :]:
-        try:
-            middleware_class = import_string(path)
-        except ImportError:
-            continue  # Django reports it
+    for path, middleware_class in _middleware_below(middleware):
         if path in URLCONF_MIDDLEWARE:
             below.append(path)
         elif isinstance(middleware_class, type) and issubclass(middleware_class, LocaleMiddleware):
