@@ -204,6 +204,22 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=2, ensure_ascii=False, default=str)
 
 
+def _shown_value(value: Any, context: bytes) -> SafeString:
+    """A stored JSON value, opened with ``context`` and shown as JSON under a note of its key;
+    the reason alone when it cannot be opened."""
+    key = stored_key_id(value)
+    try:
+        opened = open_value(value, context)
+    except Undecryptable as error:
+        return format_html("<p>{}</p>", describe_encryption(key, problem=str(error)))
+    note = "" if key is None else describe_encryption(key)
+    return format_html(
+        '<p class="help">{}</p><pre style="white-space: pre-wrap; margin: 0;">{}</pre>',
+        note,
+        pretty(opened),
+    )
+
+
 class ProtectedFlowRunAdmin(_ModelAdmin):
     """A flow run's stored request and results, shown decrypted."""
 
@@ -217,17 +233,7 @@ class ProtectedFlowRunAdmin(_ModelAdmin):
 
     @staticmethod
     def _shown(obj: Any, value: Any, field: str) -> SafeString:
-        key = stored_key_id(value)
-        try:
-            opened = open_value(value, flow_context(obj.record_id, field))
-        except Undecryptable as error:
-            return format_html("<p>{}</p>", describe_encryption(key, problem=str(error)))
-        note = "" if key is None else describe_encryption(key)
-        return format_html(
-            '<p class="help">{}</p><pre style="white-space: pre-wrap; margin: 0;">{}</pre>',
-            note,
-            pretty(opened),
-        )
+        return _shown_value(value, flow_context(obj.record_id, field))
 
 
 class ProtectedOutboxAdmin(_ModelAdmin):
@@ -235,14 +241,4 @@ class ProtectedOutboxAdmin(_ModelAdmin):
 
     @admin.display(description=_("payload"))
     def stored_payload(self, obj: Any) -> SafeString:
-        key = stored_key_id(obj.payload)
-        try:
-            opened = open_value(obj.payload, outbox_context(obj.event_id))
-        except Undecryptable as error:
-            return format_html("<p>{}</p>", describe_encryption(key, problem=str(error)))
-        note = "" if key is None else describe_encryption(key)
-        return format_html(
-            '<p class="help">{}</p><pre style="white-space: pre-wrap; margin: 0;">{}</pre>',
-            note,
-            pretty(opened),
-        )
+        return _shown_value(obj.payload, outbox_context(obj.event_id))
