@@ -50,7 +50,12 @@ from django.core.exceptions import ImproperlyConfigured
 from django.utils.module_loading import import_string
 
 from django_idempotency.events.ids import EVENT_ID_KEY
-from django_idempotency.outbox.transports import OutboxMessage, _envelope_parts
+from django_idempotency.outbox.transports import (
+    OutboxMessage,
+    _checked_timeouts,
+    _envelope_parts,
+    _limit_to_lease,
+)
 
 __all__ = ["DRAMATIQ_OPTIONS", "DramatiqTransport", "dramatiq_envelope"]
 
@@ -113,12 +118,9 @@ class DramatiqTransport:
         connect_timeout: float = 5.0,
         timeout: float = 10.0,
     ) -> None:
-        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ImproperlyConfigured(
-                    f"DramatiqTransport {name} must be a positive number of seconds, not "
-                    f"{value!r}."
-                )
+        self.connect_timeout, self.timeout = _checked_timeouts(
+            "DramatiqTransport", connect_timeout, timeout
+        )
         if broker is not None and broker_url is not None:
             raise ImproperlyConfigured(
                 "DramatiqTransport takes a broker or a broker_url, not both."
@@ -131,19 +133,11 @@ class DramatiqTransport:
         self._broker_spec = broker
         self.broker_url = broker_url
         self.queue_name = queue_name
-        self.connect_timeout = float(connect_timeout)
-        self.timeout = float(timeout)
         self._broker: Any = None
 
     def limit_to_lease(self, lease: float) -> None:
         """Keep every broker call within a quarter of the relay's ``lease`` (seconds)."""
-        limit = float(lease) / 4
-        if limit <= 0:
-            raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
-        if self.timeout > limit or self.connect_timeout > limit:
-            self.timeout = min(self.timeout, limit)
-            self.connect_timeout = min(self.connect_timeout, limit)
-            self.close()
+        _limit_to_lease(self, lease)
 
     # --- Validation -------------------------------------------------------------------------
 

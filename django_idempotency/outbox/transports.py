@@ -152,6 +152,45 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+# --- Broker timeouts (the Celery and Dramatiq transports) ------------------------------------
+
+
+class _BrokerClient(Protocol):
+    connect_timeout: float
+    timeout: float
+
+    def close(self) -> None: ...
+
+
+def _checked_timeouts(
+    transport: str, connect_timeout: float, timeout: float
+) -> tuple[float, float]:
+    """A broker transport's ``connect_timeout`` and ``timeout``, as floats; ``transport`` names
+    its class in the error.
+
+    :raises ImproperlyConfigured: one is not a positive number of seconds.
+    """
+    for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ImproperlyConfigured(
+                f"{transport} {name} must be a positive number of seconds, not {value!r}."
+            )
+    return float(connect_timeout), float(timeout)
+
+
+def _limit_to_lease(transport: _BrokerClient, lease: float) -> None:
+    """A broker transport's ``limit_to_lease``: both its timeouts cut to a quarter of ``lease``
+    (seconds) where they are longer, and its connection closed so that the next send connects
+    with them."""
+    limit = float(lease) / 4
+    if limit <= 0:
+        raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
+    if transport.timeout > limit or transport.connect_timeout > limit:
+        transport.timeout = min(transport.timeout, limit)
+        transport.connect_timeout = min(transport.connect_timeout, limit)
+        transport.close()  # the next send connects with the new timeouts
+
+
 # --- The registry -----------------------------------------------------------------------------
 
 _transports: dict[str, Transport] = {}
@@ -329,19 +368,15 @@ class CeleryTransport:
         fast_redis: bool = True,
         hold_until_due: bool = False,
     ) -> None:
-        for name, value in (("connect_timeout", connect_timeout), ("timeout", timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ImproperlyConfigured(
-                    f"CeleryTransport {name} must be a positive number of seconds, not {value!r}."
-                )
+        self.connect_timeout, self.timeout = _checked_timeouts(
+            "CeleryTransport", connect_timeout, timeout
+        )
         self._app_spec = app
         self.broker_url = broker_url
         self.confirm_publish = confirm_publish
         self.transactions = transactions
         self.fast_redis = bool(fast_redis)
         self.hold_until_due = bool(hold_until_due)
-        self.connect_timeout = float(connect_timeout)
-        self.timeout = float(timeout)
         self._connection: Any = None
         self._producer: Any = None
         self._confirms: _Confirms | None = None
@@ -369,13 +404,7 @@ class CeleryTransport:
         lease runs out and another relay sends it again. An optional transport method: a relay
         that knows its lease may call it once, before the first send.
         """
-        limit = float(lease) / 4
-        if limit <= 0:
-            raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
-        if self.timeout > limit or self.connect_timeout > limit:
-            self.timeout = min(self.timeout, limit)
-            self.connect_timeout = min(self.connect_timeout, limit)
-            self.close()  # the next send connects with the new timeouts
+        _limit_to_lease(self, lease)
 
     # --- Validation -------------------------------------------------------------------------
 
