@@ -11,7 +11,8 @@ import pytest
 from celery import Task
 from celery.contrib.django.task import DjangoTask
 from celery.exceptions import Ignore, Reject, Retry
-from django.db import OperationalError, connection, transaction
+from django.db import OperationalError, connection, connections, transaction
+from django.test import override_settings
 
 from django_idempotency import new_event_id
 from django_idempotency.events.celery import (
@@ -19,6 +20,7 @@ from django_idempotency.events.celery import (
     IdempotentConsumerMixin,
     redis_flags_restores,
 )
+from django_idempotency.events.core import OUTAGE
 from django_idempotency.exceptions import EventParked, MissingEventId, OnCommitFailed
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.celery import app
@@ -767,6 +769,42 @@ def test_with_the_database_down_the_message_waits_with_a_countdown(
     (message,) = published(memory_broker)
     assert message.headers["retries"] == 1
     assert message.decode()[1] == kwargs
+
+
+def lost_connection(vendor: str) -> OperationalError:
+    """The error a statement raises when the server has gone away, as each backend says it."""
+    if vendor == "mysql":
+        return OperationalError(2013, "Lost connection to MySQL server during query")
+    if vendor == "sqlite":
+        return OperationalError("unable to open database file")
+    return OperationalError("server closed the connection unexpectedly")
+
+
+@pytest.mark.django_db(transaction=True, databases=["default", "other"])
+def test_an_outage_of_the_idempotency_database_drops_that_alias_connection(
+    memory_broker: Any,
+) -> None:
+    """IDEMPOTENCY["DATABASE"] names another alias than "default": the lost connection the
+    consumer drops is that alias's, where the delivery ran; it used to close "default"'s (a
+    healthy one) and leave the lost one open."""
+    other = connections["other"]
+
+    def server_gone(execute: Any, sql: str, params: Any, many: bool, context: Any) -> Any:
+        raise lost_connection(other.vendor)
+
+    connection.ensure_connection()
+    other.ensure_connection()
+    try:
+        with (
+            override_settings(IDEMPOTENCY={"DATABASE": "other"}),
+            other.execute_wrapper(server_gone),
+            pytest.raises(Retry),
+        ):
+            from_broker(effect, lambda: effect(event_id="evt"))
+        assert other.connection is None  # dropped: the next delivery connects again
+        assert connection.connection is not None  # the healthy one is left alone
+    finally:
+        OUTAGE.recovered()  # this test's outage ends with it
 
 
 def test_the_database_backoff_doubles_up_to_its_ceiling() -> None:

@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 from weakref import WeakKeyDictionary
 
-from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
+from django.db import InterfaceError, OperationalError, connections
 
 from django_idempotency.extras import missing_extra
 
@@ -37,7 +37,7 @@ except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery
 
 from django_idempotency import telemetry
 from django_idempotency.events import celery_steps
-from django_idempotency.events.core import note_outage, park_message, process_event
+from django_idempotency.events.core import _alias, note_outage, park_message, process_event
 from django_idempotency.events.ids import (
     EVENT_ID_KEY,
     EventId,
@@ -437,7 +437,7 @@ class IdempotentConsumerMixin(_TaskBase):
             # Drop the lost connection now: the next delivery this process runs opens a new
             # one. Left to the worker's own clean-up, a pool child was seen failing every later
             # delivery with "the connection is lost" long after the database was back.
-            connections[self.database or DEFAULT_DB_ALIAS].close()
+            connections[_alias(self.database)].close()  # the alias note_outage() looked at
         else:
             logger.warning(message, *shown)
         # Unbounded on purpose: the message waits for the database, however long it is down.
