@@ -21,7 +21,7 @@ import logging
 import random
 from collections.abc import Mapping
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn, cast
+from typing import Any, NoReturn, cast
 from weakref import WeakKeyDictionary
 
 from django.db import InterfaceError, OperationalError, connections
@@ -30,8 +30,9 @@ from django_idempotency.extras import missing_extra
 
 try:
     from celery.app.task import Task as CeleryTask
-    from celery.contrib.django.task import DjangoTask
     from celery.exceptions import Ignore, Reject, Retry
+
+    from django_idempotency.celery_bases import DjangoTaskBase, TaskBase
 except ImportError as error:  # Celery is the "celery" extra; 5.4 brought celery.contrib.django
     raise missing_extra("celery", __name__) from error
 
@@ -51,18 +52,8 @@ __all__ = ["IdempotentConsumer", "IdempotentConsumerMixin"]
 
 logger = logging.getLogger(__name__)
 
-if TYPE_CHECKING:
-    from celery import Task
 
-    _TaskBase = Task[..., Any]
-    _DjangoTaskBase = DjangoTask[..., Any]
-else:
-    # Celery's Task classes are not subscriptable at run time in every supported release.
-    _TaskBase = object
-    _DjangoTaskBase = DjangoTask
-
-
-class IdempotentConsumerMixin(_TaskBase):
+class IdempotentConsumerMixin(TaskBase):
     """Run a Celery task's body once per event id and consumer, with its reservation.
 
     Task options (pass them to ``@app.task(...)`` or set them on a subclass):
@@ -491,7 +482,7 @@ def _preview(value: object, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-class IdempotentConsumer(IdempotentConsumerMixin, _DjangoTaskBase):
+class IdempotentConsumer(IdempotentConsumerMixin, DjangoTaskBase):
     """The ready-made idempotent consumer Task base: ``@app.task(base=IdempotentConsumer, ...)``.
 
     It derives from Celery's ``DjangoTask``, so producers keep ``delay_on_commit()`` and

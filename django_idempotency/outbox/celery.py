@@ -29,12 +29,12 @@ OutboxTaskMixin, MyBase)``. An app whose every task should have them:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django_idempotency.extras import missing_extra
 
 try:
-    from celery.contrib.django.task import DjangoTask
+    from django_idempotency.celery_bases import DjangoTaskBase, TaskBase
 except ImportError as error:  # Celery is the "celery" extra
     raise missing_extra("celery", __name__) from error
 
@@ -42,17 +42,8 @@ from django_idempotency.outbox.core import publish
 
 __all__ = ["OutboxTask", "OutboxTaskMixin"]
 
-if TYPE_CHECKING:
-    from celery import Task
 
-    _TaskBase = Task[..., Any]
-    _DjangoTaskBase = DjangoTask[..., Any]
-else:
-    _TaskBase = object
-    _DjangoTaskBase = DjangoTask
-
-
-class OutboxTaskMixin(_TaskBase):
+class OutboxTaskMixin(TaskBase):
     """``delay_in_outbox`` and ``apply_in_outbox`` for a Celery task (see the module)."""
 
     def delay_in_outbox(self, *args: Any, **kwargs: Any) -> str:
@@ -84,6 +75,6 @@ class OutboxTaskMixin(_TaskBase):
         return publish(self, args, kwargs, key=key, transport=transport, using=using, **options)
 
 
-class OutboxTask(OutboxTaskMixin, _DjangoTaskBase):
+class OutboxTask(OutboxTaskMixin, DjangoTaskBase):
     """Celery's ``DjangoTask`` (``delay_on_commit``, ``apply_async_on_commit``) with
     ``delay_in_outbox`` and ``apply_in_outbox``."""
