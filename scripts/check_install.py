@@ -38,11 +38,8 @@ PROMISES = {
 }
 NAMES_AN_EXTRA = re.compile(r"pip install 'django-idempotency\[([a-z]+)\]'")
 
-# Runs inside the fresh venv: set Django up with the app and import every module.
-PROBE = r"""
-import importlib, json, pkgutil, sys
-from importlib import metadata
-
+# The start of a probe that runs in a fresh venv: Django set up with the app, on SQLite in memory.
+PROBE_SETUP = r"""
 import django
 from django.conf import settings
 
@@ -54,6 +51,15 @@ settings.configure(
     USE_TZ=True,
 )
 django.setup()
+"""
+
+# Runs inside the fresh venv: set Django up with the app and import every module.
+PROBE = (
+    PROBE_SETUP
+    + r"""
+import importlib, json, pkgutil, sys
+from importlib import metadata
+
 import django_idempotency
 
 results = {}
@@ -81,6 +87,7 @@ print(json.dumps({
     "django": django.__version__, "python": sys.version.split()[0],
 }))
 """
+)
 
 
 def uv() -> str | None:
@@ -120,6 +127,13 @@ def requirement_name(requirement: str) -> str:
     return match.group(0).lower().replace("_", "-")
 
 
+def allowed_packages(installed: dict[str, list[str]]) -> set[str]:
+    """What a bare install may hold: the package, Django and asgiref, what Django itself
+    requires, and pip (in a venv made by the venv module)."""
+    allowed = {"django-idempotency", "django", "asgiref", "pip"}
+    return allowed | {requirement_name(r) for r in installed["django"] if "extra ==" not in r}
+
+
 def check_bare(wheel: Path, work: Path) -> tuple[list[str], dict[str, str]]:
     """The bare install; returns the problems and, per module that needs one, its extra."""
     python = make_venv(work / "bare")
@@ -130,10 +144,7 @@ def check_bare(wheel: Path, work: Path) -> tuple[list[str], dict[str, str]]:
     direct = {requirement_name(r) for r in installed["django-idempotency"] if "extra ==" not in r}
     if direct != {"django", "asgiref"}:
         problems.append(f"the bare wheel requires {sorted(direct)}, not only Django and asgiref")
-    allowed = {"django-idempotency", "django", "asgiref"}
-    allowed |= {requirement_name(r) for r in installed["django"] if "extra ==" not in r}
-    allowed |= {"pip"}  # a venv made by the venv module
-    if extra := set(installed) - allowed:
+    if extra := set(installed) - allowed_packages(installed):
         problems.append(
             f"the bare install pulled in more than Django and asgiref: {sorted(extra)}"
         )

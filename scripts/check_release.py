@@ -32,10 +32,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_install import (
     NAMES_AN_EXTRA,
+    PROBE_SETUP,
+    allowed_packages,
     check_new_project,
     install,
     make_venv,
-    requirement_name,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,20 +54,11 @@ SDIST_REQUIRED = [
 SDIST_FORBIDDEN = ["tests/", "testproject/", "bench/", "scripts/", "docs/", ".venv/", "changes/"]
 
 # Runs in the fresh venv: import each module and each public name, report what failed and how.
-PROBE = r"""
+PROBE = (
+    PROBE_SETUP
+    + r"""
 import importlib, json, sys
 
-import django
-from django.conf import settings
-
-settings.configure(
-    INSTALLED_APPS=["django.contrib.auth", "django.contrib.contenttypes",
-                    "django.contrib.admin", "django.contrib.messages",
-                    "django.contrib.sessions", "django_idempotency"],
-    DATABASES={"default": {"ENGINE": "django.db.backends.sqlite3", "NAME": ":memory:"}},
-    USE_TZ=True,
-)
-django.setup()
 results = {}
 for module_name in ["django_idempotency", *sys.argv[1:]]:
     try:
@@ -89,6 +81,7 @@ installed = {
 }
 print(json.dumps({"results": results, "installed": installed}))
 """
+)
 
 
 def documented_modules() -> list[str]:
@@ -152,10 +145,8 @@ def check_wheel_with_django_only(wheel: Path, work: Path) -> list[str]:
     found = json.loads(answer.stdout)
     results: dict[str, str | None] = found["results"]
     installed: dict[str, list[str]] = found["installed"]
-    allowed = {"django-idempotency", "django", "asgiref", "pip"}
-    allowed |= {requirement_name(r) for r in installed["django"] if "extra ==" not in r}
     print(f"   fresh venv: {', '.join(sorted(installed))}")
-    if extra := set(installed) - allowed:
+    if extra := set(installed) - allowed_packages(installed):
         problems.append(f"the wheel pulled in more than Django: {sorted(extra)}")
     need_extra = {}
     for name, error in results.items():
