@@ -44,7 +44,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from bench.outbox import DEFAULT_DB, REDIS, clear, percentile, queue, report, start, tables
+from bench.delivery import redis_worker, start_relay, wait_for_effects
+from bench.outbox import DEFAULT_DB, clear, percentile, report, start, tables
 from bench.rounds import median_ratio, rotation
 
 WARM_UP = 20
@@ -145,22 +146,6 @@ ROWS = (
 )
 
 
-def _relay(row: Row, db_url: str, log: Path) -> Any:
-    from tests.outbox_helpers import celery_transports, start_relay
-
-    relay = start_relay(
-        "--poll-interval", "1", db_url=db_url,
-        transports=celery_transports(REDIS, hold_until_due=row.hold), log=log, broker_url=REDIS,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "outbox relay started" not in relay.output():
-        if time.monotonic() > deadline or relay.process.poll() is not None:
-            raise RuntimeError(f"relay did not start:\n{relay.output()}")
-        time.sleep(0.1)
-    time.sleep(0.5)
-    return relay
-
-
 def _produce(
     row: Row, queue_name: str, count: int, rate: float, countdown: float
 ) -> dict[str, tuple[float, float]]:
@@ -203,11 +188,7 @@ def _collect(
     from testproject.shop.models import Effect
 
     ids = list(due)
-    deadline = time.monotonic() + timeout
-    while Effect.objects.filter(payload__in=ids).count() < len(ids):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"effects missing\n{worker.output()[-3000:]}")
-        time.sleep(0.2)
+    wait_for_effects(ids, worker, timeout)
     applied = Effect.objects.filter(payload__in=ids).values_list("payload", "created_at")
     found = []
     for event_id, created in applied:
@@ -222,35 +203,26 @@ def delayed(
 ) -> dict[str, Any]:
     from django.conf import settings
 
-    from tests.workers import database_url, start_worker, stop_workers, wait_ready
+    from tests.workers import database_url
 
     db_url = database_url(settings.DATABASES["default"])
     late: dict[str, list[list[tuple[float, bool]]]] = {row.label: [] for row in ROWS}
-    with queue(REDIS, "bench-delayed") as name:
-        worker = start_worker(
-            broker_url=REDIS, queue=name, db_url=db_url, name="bench-delayed", log_dir=tmp,
-            concurrency=2,
-        )  # fmt: skip
-        try:
-            wait_ready([worker])
-            for round_no in range(rounds):
-                for row in rotation(ROWS, round_no):
-                    relay = None
-                    if row.outbox:
-                        relay = _relay(
-                            row, db_url, tmp / f"relay-{round_no}-{ROWS.index(row)}.log"
-                        )
-                    try:
-                        _collect(_produce(row, name, 5, rate, 0.5), worker, 60)  # warm-up
-                        share = max(1, count // rounds)
-                        batch = _produce(row, name, share, rate, countdown)
-                        late[row.label].append(_collect(batch, worker, countdown + 120))
-                    finally:
-                        if relay is not None:
-                            relay.stop()
-                    clear()
-        finally:
-            stop_workers([worker])
+    with redis_worker("bench-delayed", db_url, tmp, concurrency=2) as (name, worker):
+        for round_no in range(rounds):
+            for row in rotation(ROWS, round_no):
+                relay = None
+                if row.outbox:
+                    log = tmp / f"relay-{round_no}-{ROWS.index(row)}.log"
+                    relay = start_relay(db_url, log, hold_until_due=row.hold)
+                try:
+                    _collect(_produce(row, name, 5, rate, 0.5), worker, 60)  # warm-up
+                    share = max(1, count // rounds)
+                    batch = _produce(row, name, share, rate, countdown)
+                    late[row.label].append(_collect(batch, worker, countdown + 120))
+                finally:
+                    if relay is not None:
+                        relay.stop()
+                clear()
     baseline = ROWS[0].label
     results: dict[str, Any] = {}
     for label, rounds_of in late.items():

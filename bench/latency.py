@@ -42,7 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.outbox import DEFAULT_DB, REDIS, REPO, clear, percentile, queue, report, start, table
+from bench.delivery import redis_worker, start_relay, wait_for_effects
+from bench.outbox import DEFAULT_DB, REPO, clear, percentile, report, start, table
 from bench.rounds import rotation
 
 WARM_UP = 30
@@ -80,23 +81,6 @@ def rows_for(vendor: str, baseline: Path | None) -> list[Row]:
             rows.append(Row(label, baseline, True, ("steady", "isolated")))
     rows.append(Row("outbox, 1 s poll only", REPO, False, ("isolated",)))
     return rows
-
-
-def start_relay(row: Row, db_url: str, log: Path) -> Any:
-    from tests.outbox_helpers import celery_transports, start_relay
-
-    assert row.relay is not None
-    relay = start_relay(
-        "--poll-interval", "1", db_url=db_url, transports=celery_transports(REDIS), log=log,
-        broker_url=REDIS, cwd=row.relay, env={"PYTHONPATH": str(row.relay)},
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while "outbox relay started" not in relay.output():
-        if time.monotonic() > deadline or relay.process.poll() is not None:
-            raise RuntimeError(f"relay did not start:\n{relay.output()}")
-        time.sleep(0.1)
-    time.sleep(0.5)  # LISTEN is issued right after the line above
-    return relay
 
 
 def produce(row: Row, queue_name: str, count: int, rate: float) -> dict[str, Sample]:
@@ -139,11 +123,7 @@ def collect(samples: dict[str, Sample], worker: Any, timeout: float = 120.0) -> 
 
     ids = list(samples)
     unrecorded = OutboxEntry.objects.filter(event_id__in=ids, sent_at__isnull=True)
-    deadline = time.monotonic() + timeout
-    while Effect.objects.filter(payload__in=ids).count() < len(ids) or unrecorded.exists():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"effects missing\n{worker.output()[-3000:]}")
-        time.sleep(0.2)
+    wait_for_effects(ids, worker, timeout, pending=unrecorded.exists)
     for event_id, created in Effect.objects.filter(payload__in=ids).values_list(
         "payload", "created_at"
     ):
@@ -196,42 +176,37 @@ def latency(
     from django.conf import settings
     from django.db import connection
 
-    from tests.workers import database_url, start_worker, stop_workers, wait_ready
+    from tests.workers import database_url
 
     db_url = database_url(settings.DATABASES["default"])
     paces = {"steady": (count, rate), "isolated": (isolated_count, isolated_rate)}
     rows = rows_for(connection.vendor, baseline)
     samples: dict[str, list[list[Sample]]] = {}
-    with queue(REDIS, "bench-latency") as name:
-        worker = start_worker(
-            broker_url=REDIS, queue=name, db_url=db_url, name="bench-latency", log_dir=tmp,
-            concurrency=concurrency, prefetch_multiplier=prefetch_multiplier,
-        )  # fmt: skip
-        try:
-            wait_ready([worker])
-            for round_no in range(rounds):
-                for row in rotation(rows, round_no):
-                    relay = None
-                    if row.relay is not None:
-                        log = tmp / f"relay-{round_no}-{rows.index(row)}.log"
-                        relay = start_relay(row, db_url, log)
-                    try:
-                        # Not measured: the first messages of a process (imports, connections,
-                        # the worker's pool children) are slower than any steady state.
-                        collect(produce(row, name, WARM_UP, rate), worker)
-                        for pace in row.paces:
-                            total, per_second = paces[pace]
-                            share = max(1, total // rounds)
-                            batch = produce(row, name, share, per_second)
-                            collect(batch, worker)
-                            label = f"{row.label} ({pace})"
-                            samples.setdefault(label, []).append(list(batch.values()))
-                    finally:
-                        if relay is not None:
-                            relay.stop()
-                    clear()
-        finally:
-            stop_workers([worker])
+    with redis_worker(
+        "bench-latency", db_url, tmp, concurrency=concurrency,
+        prefetch_multiplier=prefetch_multiplier,
+    ) as (name, worker):  # fmt: skip
+        for round_no in range(rounds):
+            for row in rotation(rows, round_no):
+                relay = None
+                if row.relay is not None:
+                    log = tmp / f"relay-{round_no}-{rows.index(row)}.log"
+                    relay = start_relay(db_url, log, tree=row.relay)
+                try:
+                    # Not measured: the first messages of a process (imports, connections,
+                    # the worker's pool children) are slower than any steady state.
+                    collect(produce(row, name, WARM_UP, rate), worker)
+                    for pace in row.paces:
+                        total, per_second = paces[pace]
+                        share = max(1, total // rounds)
+                        batch = produce(row, name, share, per_second)
+                        collect(batch, worker)
+                        label = f"{row.label} ({pace})"
+                        samples.setdefault(label, []).append(list(batch.values()))
+                finally:
+                    if relay is not None:
+                        relay.stop()
+                clear()
     return {
         label: summary([sample for values in rounds_of for sample in values], rounds_of)
         for label, rounds_of in samples.items()
