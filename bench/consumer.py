@@ -41,7 +41,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from bench.rounds import rotation
+from bench.rounds import median_ratio, rotation
 
 CONSUMER = "bench.consumer"
 DECORATED = "bench.decorated-consumer"
@@ -299,44 +299,16 @@ def run(events: int, rounds: int) -> dict[str, Any]:
             entry["statements"] = statements[name].most_common(1)[0][0]
             entry["statements_histogram"] = {str(k): v for k, v in statements[name].items()}
             entry["commits"] = commits[name].most_common(1)[0][0]
-            cpu = [r["client_cpu_us"] + r["server_cpu_us"] for r in per_round[name]]
+            cpu = [_cpu_us(r) for r in per_round[name]]
             entry["cpu_us_per_event"] = round(statistics.median(cpu), 1)
+            mine = per_round[name]
             if alone and name != "effect alone":
-                pairs = zip(per_round[name], alone, strict=True)
-                entry["ratio_to_effect_alone"] = round(
-                    statistics.median(a["events_per_s"] / b["events_per_s"] for a, b in pairs), 3
-                )
-                entry["p50_ratio_to_effect_alone"] = round(
-                    statistics.median(
-                        a["p50_ms"] / b["p50_ms"]
-                        for a, b in zip(per_round[name], alone, strict=True)
-                    ),
-                    3,
-                )
-                entry["cpu_ratio_to_effect_alone"] = round(
-                    statistics.median(
-                        (a["client_cpu_us"] + a["server_cpu_us"])
-                        / (b["client_cpu_us"] + b["server_cpu_us"])
-                        for a, b in zip(per_round[name], alone, strict=True)
-                    ),
-                    3,
-                )
+                entry["ratio_to_effect_alone"] = _ratio(mine, alone, _events_per_s)
+                entry["p50_ratio_to_effect_alone"] = _ratio(mine, alone, _p50_ms)
+                entry["cpu_ratio_to_effect_alone"] = _ratio(mine, alone, _cpu_us)
             if actor_alone and "idempotent_actor" in name:
-                entry["ratio_to_actor_alone"] = round(
-                    statistics.median(
-                        a["events_per_s"] / b["events_per_s"]
-                        for a, b in zip(per_round[name], actor_alone, strict=True)
-                    ),
-                    3,
-                )
-                entry["cpu_ratio_to_actor_alone"] = round(
-                    statistics.median(
-                        (a["client_cpu_us"] + a["server_cpu_us"])
-                        / (b["client_cpu_us"] + b["server_cpu_us"])
-                        for a, b in zip(per_round[name], actor_alone, strict=True)
-                    ),
-                    3,
-                )
+                entry["ratio_to_actor_alone"] = _ratio(mine, actor_alone, _events_per_s)
+                entry["cpu_ratio_to_actor_alone"] = _ratio(mine, actor_alone, _cpu_us)
         out_rows.append(entry)
     return {
         "events_per_round": events,
@@ -344,6 +316,27 @@ def run(events: int, rounds: int) -> dict[str, Any]:
         "cpu_measured": "client+server" if backend_cpu() else "client",
         "rows": out_rows,
     }
+
+
+Round = dict[str, float]
+"""One row's figures of one round (:func:`run`)."""
+
+
+def _events_per_s(figures: Round) -> float:
+    return figures["events_per_s"]
+
+
+def _p50_ms(figures: Round) -> float:
+    return figures["p50_ms"]
+
+
+def _cpu_us(figures: Round) -> float:
+    return figures["client_cpu_us"] + figures["server_cpu_us"]
+
+
+def _ratio(mine: list[Round], baseline: list[Round], measure: Callable[[Round], float]) -> float:
+    """The median of the per-round ratios of ``measure`` to the baseline's (bench.rounds)."""
+    return median_ratio([measure(r) for r in mine], [measure(r) for r in baseline])
 
 
 def main(argv: list[str] | None = None) -> None:
