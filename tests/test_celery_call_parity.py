@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 from django.test import override_settings
 from kombu import Connection, Exchange, Queue
 
@@ -37,7 +37,7 @@ from tests.celery_call_rows import REFUSED_ROWS, SENT, Row, compare, wire_report
 from tests.conftest import require_service
 from tests.services import BROKER_URLS
 from tests.transport_helpers import celery_app
-from tests.workers import WorkerGroup, database_url, delete_queue, new_queue_name, worker_group
+from tests.workers import WorkerGroup, broker_workers_fixture, delete_queue, new_queue_name
 
 CELERY = "django_idempotency.outbox.transports.CeleryTransport"
 # Seconds between the two publishes that a moment may differ by (an expires moment's AMQP
@@ -134,26 +134,15 @@ def test_a_refused_call_says_why(row: Row) -> None:
 # --- With real workers --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
-def workers(
-    request: pytest.FixtureRequest,
-    django_db_setup: None,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerGroup]:
-    """One worker process taking JSON, pickle and YAML (as root, Celery wants C_FORCE_ROOT to
-    take pickle)."""
-    require_service(request.param)
-    require_service("redis")  # the probe's reports
-    with worker_group(
-        broker_url=BROKER_URLS[request.param],
-        db_url=database_url(connection.settings_dict),
-        log_dir=tmp_path_factory.mktemp(f"parity-{request.param}"),
-        label=f"parity-{request.param}",
-        workers=1,
-        concurrency=4,
-        extra_env={"CELERY_ACCEPT_CONTENT": "json,pickle,yaml", "C_FORCE_ROOT": "1"},
-    ) as group:
-        yield group
+workers = broker_workers_fixture(
+    "workers",
+    "parity",
+    workers=1,
+    concurrency=4,
+    extra_env={"CELERY_ACCEPT_CONTENT": "json,pickle,yaml", "C_FORCE_ROOT": "1"},
+    doc="One worker process taking JSON, pickle and YAML (as root, Celery wants C_FORCE_ROOT "
+    "to take pickle); Redis also holds the probe's reports.",
+)
 
 
 def reports(probes: list[str], group: WorkerGroup, timeout: float) -> dict[str, Any]:
