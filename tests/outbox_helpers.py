@@ -164,8 +164,13 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            self._forward(client, upstream)
+
+    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Move bytes both ways between an accepted ``client`` and its ``upstream``, a thread
+        each way."""
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket) -> None:
