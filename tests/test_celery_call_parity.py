@@ -36,7 +36,7 @@ from django_idempotency.outbox.transports import CeleryTransport
 from tests.celery_call_rows import REFUSED_ROWS, SENT, Row, compare, wire_report, worker_report
 from tests.conftest import require_service
 from tests.services import BROKER_URLS
-from tests.transport_helpers import celery_app
+from tests.transport_helpers import celery_app, take
 from tests.workers import WorkerGroup, broker_workers_fixture, delete_queue, new_queue_name
 
 CELERY = "django_idempotency.outbox.transports.CeleryTransport"
@@ -67,17 +67,6 @@ def broker(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, str]]:
     finally:
         delete_queue(url, name)
         app.close()
-
-
-def take(url: str, queue: str) -> Any:
-    with Connection(url) as conn:
-        simple = conn.SimpleQueue(queue, accept=["json", "pickle", "yaml"])
-        try:
-            message = simple.get(timeout=10)
-            message.ack()
-            return message
-        finally:
-            simple.close()
 
 
 def through_the_outbox(app: Any, url: str, c: Any) -> tuple[float, str]:
@@ -111,9 +100,9 @@ def test_a_call_reaches_the_queue_as_apply_async_puts_it(
     task = app.tasks["shop.probe_call"]
     c = row.build(task, queue, uuid.uuid4().hex)
     called_at = called(c)
-    direct = wire_report(take(url, queue))
+    direct = wire_report(take(url, queue, timeout=10))
     committed_at, _ = through_the_outbox(app, url, c)
-    outboxed = wire_report(take(url, queue))
+    outboxed = wire_report(take(url, queue, timeout=10))
 
     differences = compare(row, direct, outboxed, called_at, committed_at, SLACK)
     assert not differences, "\n".join(differences)
