@@ -26,6 +26,8 @@ from tests import leaks
 
 REPO = Path(__file__).resolve().parent.parent
 CELERY_BACKEND = "django_idempotency.outbox.transports.CeleryTransport"
+FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
+"""``idempotency_relay`` arguments for the proofs: a short poll, and short back-offs."""
 
 
 def celery_transports(broker_url: str, backend: str = CELERY_BACKEND, **options: Any) -> str:

@@ -30,7 +30,7 @@ from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect
 from testproject.shop.tasks import effect
-from tests.outbox_helpers import celery_transports, start_relay, wait_for
+from tests.outbox_helpers import FAST_RELAY, celery_transports, start_relay, wait_for
 from tests.services import BROKER_URLS
 from tests.workers import REPO, WorkerGroup, broker_workers_fixture, database_url
 
@@ -41,8 +41,6 @@ pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.django_db(transaction=True),
 ]
-
-FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
 
 
 workers = broker_workers_fixture(
