@@ -262,22 +262,6 @@ def worker_group(
         group.publisher.close()
 
 
-@contextmanager
-def broker_workers(
-    broker: str, *, log_dir: Path, label: str, **options: Any
-) -> Iterator[WorkerGroup]:
-    """:func:`worker_group` on the broker ``broker`` (a key of ``BROKER_URLS``), on the test
-    database; ``options`` as :func:`worker_group`'s."""
-    with worker_group(
-        broker_url=BROKER_URLS[broker],
-        db_url=database_url(connection.settings_dict),
-        log_dir=log_dir,
-        label=label,
-        **options,
-    ) as group:
-        yield group
-
-
 def broker_workers_fixture(
     name: str,
     label: str,
@@ -309,8 +293,9 @@ def broker_workers_fixture(
         require_service(broker)
         require_service("redis")  # the result backend
         started = time.monotonic()
-        with broker_workers(
-            broker,
+        with worker_group(
+            broker_url=BROKER_URLS[broker],
+            db_url=database_url(connection.settings_dict),
             log_dir=tmp_path_factory.mktemp(f"{label}-{broker}"),
             label=f"{label}-{broker}",
             **options,
