@@ -75,6 +75,20 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(chunks)
 
 
+def _pg_message(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The next PostgreSQL protocol message (not a startup one): its head (type byte and
+    length), and its body."""
+    head = _recv_exact(sock, 5)
+    (length,) = struct.unpack("!i", head[1:])
+    return head, _recv_exact(sock, length - 4)
+
+
+def _mysql_packet(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The next MySQL protocol packet: its head (length and sequence number), and its body."""
+    head = _recv_exact(sock, 4)
+    return head, _recv_exact(sock, int.from_bytes(head[:3], "little"))
+
+
 def _reset(sock: socket.socket) -> None:
     """Close with a TCP reset (SO_LINGER 0), as a dead peer or a restarted server does."""
     with suppress(OSError):
@@ -209,28 +223,20 @@ class PgProxy:
             if not self._startup(link):
                 return
             while not link.closed:
-                head = _recv_exact(link.client, 5)
+                head, body = _pg_message(link.client)
                 kind = head[:1]
-                (length,) = struct.unpack("!i", head[1:])
-                body = _recv_exact(link.client, length - 4)
                 self._flowing.wait()
                 if link.closed:
                     return
                 statement = self._statement(kind, body)
-                if statement is not None:
-                    previous = link.statements[-1] if link.statements else ""
-                    link.statements.append(statement)
-                    rule = self._match(statement, previous)
-                    if rule is not None and rule.when == "before":
-                        self.faults["cut_before"] += 1
-                        self._close(link)
-                        return
-                    if rule is not None:
-                        self.faults["cut_after"] += 1
-                        if kind == b"Q":
-                            link.cut_at = link.syncs + 1
-                        else:
-                            link.cut_on_next_sync = True
+                cut = None if statement is None else self._sent(link, statement)
+                if cut == "before":
+                    return
+                if cut == "after":
+                    if kind == b"Q":
+                        link.cut_at = link.syncs + 1
+                    else:
+                        link.cut_on_next_sync = True
                 if kind in (b"Q", b"S"):
                     link.syncs += 1
                     if kind == b"S" and link.cut_on_next_sync:
@@ -265,6 +271,19 @@ class PgProxy:
             return rest.partition(b"\0")[0].decode("utf-8", "replace")
         return None
 
+    def _sent(self, link: _Link, statement: str) -> str | None:
+        """Note a statement the client sent; the cut of the rule it matches (counted): "before"
+        (the connection is closed now, the statement not forwarded), "after", or None."""
+        previous = link.statements[-1] if link.statements else ""
+        link.statements.append(statement)
+        rule = self._match(statement, previous)
+        if rule is None:
+            return None
+        self.faults[f"cut_{rule.when}"] += 1
+        if rule.when == "before":
+            self._close(link)
+        return rule.when
+
     def _match(self, statement: str, previous: str) -> Rule | None:
         with self._lock:
             for rule in self._rules:
@@ -278,9 +297,7 @@ class PgProxy:
     def _from_server(self, link: _Link) -> None:
         try:
             while not link.closed:
-                head = _recv_exact(link.server, 5)
-                (length,) = struct.unpack("!i", head[1:])
-                body = _recv_exact(link.server, length - 4)
+                head, body = _pg_message(link.server)
                 self._flowing.wait()
                 if head[:1] == b"Z":
                     link.ready += 1
@@ -310,22 +327,15 @@ class MySqlProxy(PgProxy):
     def _from_client(self, link: _Link) -> None:
         try:
             while not link.closed:
-                head = _recv_exact(link.client, 4)
-                body = _recv_exact(link.client, int.from_bytes(head[:3], "little"))
+                head, body = _mysql_packet(link.client)
                 self._flowing.wait()
                 if link.closed:
                     return
                 if head[3] == 0 and body[:1] == b"\x03":
-                    statement = body[1:].decode("utf-8", "replace")
-                    previous = link.statements[-1] if link.statements else ""
-                    link.statements.append(statement)
-                    rule = self._match(statement, previous)
-                    if rule is not None and rule.when == "before":
-                        self.faults["cut_before"] += 1
-                        self._close(link)
+                    cut = self._sent(link, body[1:].decode("utf-8", "replace"))
+                    if cut == "before":
                         return
-                    if rule is not None:
-                        self.faults["cut_after"] += 1
+                    if cut == "after":
                         link.cut_on_next_sync = True
                 link.server.sendall(head + body)
         except OSError:
@@ -337,8 +347,7 @@ class MySqlProxy(PgProxy):
     def _from_server(self, link: _Link) -> None:
         try:
             while not link.closed:
-                head = _recv_exact(link.server, 4)
-                body = _recv_exact(link.server, int.from_bytes(head[:3], "little"))
+                head, body = _mysql_packet(link.server)
                 self._flowing.wait()
                 if link.cut_on_next_sync:
                     return  # the statement ran; its answer never reaches the client

@@ -26,6 +26,8 @@ from tests import leaks
 
 REPO = Path(__file__).resolve().parent.parent
 CELERY_BACKEND = "django_idempotency.outbox.transports.CeleryTransport"
+FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
+"""``idempotency_relay`` arguments for the proofs: a short poll, and short back-offs."""
 
 
 def celery_transports(broker_url: str, backend: str = CELERY_BACKEND, **options: Any) -> str:
@@ -164,8 +166,13 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            self._forward(client, upstream)
+
+    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Move bytes both ways between an accepted ``client`` and its ``upstream``, a thread
+        each way."""
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pipe(source: socket.socket, sink: socket.socket) -> None:

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+from django.contrib.auth.models import AnonymousUser
 from django.db import connections
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.http.response import HttpResponseBase
-from django.test import Client
+from django.test import Client, RequestFactory
 
+from django_idempotency import idempotent
 from testproject.shop.models import Effect
 
 PROBLEM = "application/problem+json"
@@ -85,3 +89,27 @@ def in_thread(target: Callable[[], Any]) -> tuple[threading.Thread, dict[str, An
     thread = threading.Thread(target=run)
     thread.start()
     return thread, outcome
+
+
+def counted_view(name: str) -> tuple[Callable[[str], HttpResponse], Counter[str]]:
+    """``(send, ran)``: ``send(key)`` posts ``{}`` to ``/NAME`` with the Idempotency-Key ``key``,
+    straight to an ``@idempotent`` view, which creates an Effect ``name`` (payload: the key) and
+    answers 201 with the key and the effect's id; ``ran[key]`` counts the times the view ran
+    for ``key``, committed or not."""
+    ran: Counter[str] = Counter()
+
+    @idempotent
+    def create(request: HttpRequest) -> HttpResponse:
+        key = request.headers["Idempotency-Key"]
+        ran[key] += 1
+        effect = Effect.objects.create(name=name, payload=key)
+        return JsonResponse({"key": key, "effect": effect.pk}, status=201)
+
+    def send(key: str) -> HttpResponse:
+        request = RequestFactory().post(f"/{name}", data=b"{}", content_type="application/json")
+        request.META["HTTP_IDEMPOTENCY_KEY"] = key
+        request.user = AnonymousUser()
+        response: HttpResponse = create(request)
+        return response
+
+    return send, ran

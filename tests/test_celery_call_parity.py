@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 from django.test import override_settings
 from kombu import Connection, Exchange, Queue
 
@@ -36,8 +36,8 @@ from django_idempotency.outbox.transports import CeleryTransport
 from tests.celery_call_rows import REFUSED_ROWS, SENT, Row, compare, wire_report, worker_report
 from tests.conftest import require_service
 from tests.services import BROKER_URLS
-from tests.transport_helpers import celery_app
-from tests.workers import WorkerGroup, database_url, delete_queue, new_queue_name, worker_group
+from tests.transport_helpers import celery_app, take
+from tests.workers import WorkerGroup, broker_workers_fixture, delete_queue, new_queue_name
 
 CELERY = "django_idempotency.outbox.transports.CeleryTransport"
 # Seconds between the two publishes that a moment may differ by (an expires moment's AMQP
@@ -67,17 +67,6 @@ def broker(request: pytest.FixtureRequest) -> Iterator[tuple[str, Any, str]]:
     finally:
         delete_queue(url, name)
         app.close()
-
-
-def take(url: str, queue: str) -> Any:
-    with Connection(url) as conn:
-        simple = conn.SimpleQueue(queue, accept=["json", "pickle", "yaml"])
-        try:
-            message = simple.get(timeout=10)
-            message.ack()
-            return message
-        finally:
-            simple.close()
 
 
 def through_the_outbox(app: Any, url: str, c: Any) -> tuple[float, str]:
@@ -111,9 +100,9 @@ def test_a_call_reaches_the_queue_as_apply_async_puts_it(
     task = app.tasks["shop.probe_call"]
     c = row.build(task, queue, uuid.uuid4().hex)
     called_at = called(c)
-    direct = wire_report(take(url, queue))
+    direct = wire_report(take(url, queue, timeout=10))
     committed_at, _ = through_the_outbox(app, url, c)
-    outboxed = wire_report(take(url, queue))
+    outboxed = wire_report(take(url, queue, timeout=10))
 
     differences = compare(row, direct, outboxed, called_at, committed_at, SLACK)
     assert not differences, "\n".join(differences)
@@ -134,26 +123,15 @@ def test_a_refused_call_says_why(row: Row) -> None:
 # --- With real workers --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
-def workers(
-    request: pytest.FixtureRequest,
-    django_db_setup: None,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerGroup]:
-    """One worker process taking JSON, pickle and YAML (as root, Celery wants C_FORCE_ROOT to
-    take pickle)."""
-    require_service(request.param)
-    require_service("redis")  # the probe's reports
-    with worker_group(
-        broker_url=BROKER_URLS[request.param],
-        db_url=database_url(connection.settings_dict),
-        log_dir=tmp_path_factory.mktemp(f"parity-{request.param}"),
-        label=f"parity-{request.param}",
-        workers=1,
-        concurrency=4,
-        extra_env={"CELERY_ACCEPT_CONTENT": "json,pickle,yaml", "C_FORCE_ROOT": "1"},
-    ) as group:
-        yield group
+workers = broker_workers_fixture(
+    "workers",
+    "parity",
+    workers=1,
+    concurrency=4,
+    extra_env={"CELERY_ACCEPT_CONTENT": "json,pickle,yaml", "C_FORCE_ROOT": "1"},
+    doc="One worker process taking JSON, pickle and YAML (as root, Celery wants C_FORCE_ROOT "
+    "to take pickle); Redis also holds the probe's reports.",
+)
 
 
 def reports(probes: list[str], group: WorkerGroup, timeout: float) -> dict[str, Any]:

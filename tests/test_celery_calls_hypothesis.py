@@ -24,7 +24,7 @@ from django.db import transaction
 from django.test import override_settings
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from kombu import Connection, serialization
+from kombu import serialization
 
 from django_idempotency.events.ids import checked_event_id
 from django_idempotency.exceptions import InvalidEventId
@@ -34,7 +34,7 @@ from django_idempotency.outbox.celery_calls import _difference
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.outbox.transports import CeleryTransport
 from testproject.shop.call_probe import Money
-from tests.transport_helpers import celery_app
+from tests.transport_helpers import celery_app, take
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -126,17 +126,6 @@ def relay() -> Iterator[tuple[Any, Relay]]:
         yield app, Relay(transports={"default": transport})
     transport.close()
     app.close()
-
-
-def take() -> Any:
-    with Connection(MEMORY) as conn:
-        simple = conn.SimpleQueue(QUEUE, accept=["json", "pickle", "yaml"])
-        try:
-            message = simple.get(timeout=2)
-            message.ack()
-            return message
-        finally:
-            simple.close()
 
 
 def expected(args: list[Any], kwargs: dict[str, Any], serializer: str) -> Any:
@@ -234,7 +223,7 @@ def test_a_call_is_delivered_as_apply_async_would_or_refused(
     try:
         result = the_relay.drain()
         assert result.sent == 1, (result, OutboxEntry.objects.values_list("last_error"))
-        message = take()
+        message = take(MEMORY, QUEUE, timeout=2)
         got_args, got_kwargs, _ = message.decode()
         want = expected(args, kwargs, serializer)
         difference = _difference(list(want[0]), list(got_args), "args") or _difference(

@@ -23,23 +23,19 @@ test process) sends them.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import chain
 from celery.result import ResultSet
-from django.db import connection
 
 from django_idempotency import new_event_id
 from django_idempotency.models import OutboxEntry, ProcessedEvent
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.outbox.transports import CeleryTransport
 from testproject.shop.models import Effect
-from tests.conftest import require_service
-from tests.services import BROKER_URLS
-from tests.workers import WorkerGroup, database_url, worker_group
+from tests.workers import WorkerGroup, broker_workers_fixture
 
 pytestmark = [
     pytest.mark.slow,
@@ -50,25 +46,15 @@ pytestmark = [
 TIMEOUT = 60.0
 
 
-@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
-def group(
-    request: pytest.FixtureRequest,
-    django_db_setup: None,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerGroup]:
-    broker = request.param
-    if connection.vendor != "postgresql" and broker != "redis":
-        pytest.skip("MariaDB and SQLite passes: on Redis only (as tests/test_celery_worker.py)")
-    require_service(broker)
-    require_service("redis")  # the result backend
-    with worker_group(
-        broker_url=BROKER_URLS[broker],
-        db_url=database_url(connection.settings_dict),
-        log_dir=tmp_path_factory.mktemp(f"canvas-{broker}"),
-        label=f"canvas-{broker}",
-        workers=1,
-    ) as workers:
-        yield workers
+group = broker_workers_fixture(
+    "group",
+    "canvas",
+    workers=1,
+    redis_only=dict.fromkeys(
+        ("mysql", "sqlite"),
+        "MariaDB and SQLite passes: on Redis only (as tests/test_celery_worker.py)",
+    ),
+)
 
 
 def wait(group: WorkerGroup, results: list[Any]) -> list[Any]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +34,7 @@ from django_idempotency import new_event_id
 from django_idempotency.events.celery import redis_flags_restores
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
-from tests.conftest import require_service
-from tests.services import BROKER_URLS
-from tests.workers import WorkerGroup, database_url, worker_group
+from tests.workers import WorkerGroup, broker_workers_fixture
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,29 +51,15 @@ SQLITE_SKIPS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
-def workers(
-    request: pytest.FixtureRequest,
-    django_db_setup: None,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerGroup]:
-    """Two worker processes (concurrency 4 each) on one broker, for the whole module."""
-    broker = request.param
-    if connection.vendor == "mysql" and broker != "redis":
-        pytest.skip("MariaDB pass: worker proofs run on Redis only (see the module docstring)")
-    if connection.vendor == "sqlite" and broker != "redis":
-        pytest.skip("SQLite pass: worker proofs run on Redis only (see the module docstring)")
-    require_service(broker)
-    require_service("redis")  # the result backend
-    started = time.monotonic()
-    with worker_group(
-        broker_url=BROKER_URLS[broker],
-        db_url=database_url(connection.settings_dict),
-        log_dir=tmp_path_factory.mktemp(f"workers-{broker}"),
-        label=broker,
-    ) as group:
-        print(f"\n[workers on {broker} ready in {time.monotonic() - started:.1f}s]")
-        yield group
+workers = broker_workers_fixture(
+    "workers",
+    "workers",
+    redis_only={
+        "mysql": "MariaDB pass: worker proofs run on Redis only (see the module docstring)",
+        "sqlite": "SQLite pass: worker proofs run on Redis only (see the module docstring)",
+    },
+    doc="Two worker processes (concurrency 4 each) on one broker, for the whole module.",
+)
 
 
 @pytest.fixture

@@ -40,7 +40,13 @@ from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect
 from tests.conftest import require_service
 from tests.db_proxy import PgProxy, pg_proxy
-from tests.outbox_helpers import Process, celery_transports, file_transports, start_relay
+from tests.outbox_helpers import (
+    FAST_RELAY,
+    Process,
+    celery_transports,
+    file_transports,
+    start_relay,
+)
 from tests.servers import Gunicorn, Reply, gunicorn
 from tests.services import BROKER_URLS
 from tests.workers import WorkerGroup, database_url, worker_group
@@ -58,7 +64,6 @@ SLACK = 15.0
 """What a loaded two-core machine may add to a deadline (process start, back-off, polling)."""
 LONG_LEASE = 120.0
 """A lease the relay-claim tests never wait out: what they send is sent within SLACK."""
-RELAY_ARGS = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
 COMMIT = r"(^|;)\s*COMMIT\s*(;|$)"
 CLAIM = r"django_idempotency_claim_v2"
 RESERVE = r"django_idempotency_reserve_v2"
@@ -269,7 +274,7 @@ def start_file_relay(proxy: PgProxy, tmp_path: Path, lease: float = LEASE) -> tu
     sent = tmp_path / "sent.txt"
     sent.touch()
     relay = start_relay(
-        *RELAY_ARGS,
+        *FAST_RELAY,
         "--lease",
         str(lease),
         db_url=database_url(proxied(proxy)),
@@ -491,7 +496,7 @@ def test_soak_random_faults_under_load(
     seed = random.randrange(2**32)
     chance = random.Random(seed)
     relay = start_relay(
-        *RELAY_ARGS,
+        *FAST_RELAY,
         "--lease",
         str(LEASE),
         db_url=database_url(proxied(proxy)),

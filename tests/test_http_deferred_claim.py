@@ -18,37 +18,16 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from django.contrib.auth.models import AnonymousUser
 from django.db import connections
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.test import RequestFactory
+from django.http import HttpResponse
 
-from django_idempotency import idempotent
-from testproject.shop.models import Effect
-from tests.probes import effects
+from tests.probes import counted_view, effects
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres, pytest.mark.django_db(transaction=True)]
 
 ROUNDS = 60
 DUPLICATES = 6
-RAN: Counter[str] = Counter()
-"""How many times the view ran for each key, committed or not."""
-
-
-@idempotent
-def create(request: HttpRequest) -> HttpResponse:
-    key = request.headers["Idempotency-Key"]
-    RAN[key] += 1
-    Effect.objects.create(name="deferred", payload=key)
-    return JsonResponse({"key": key}, status=201)
-
-
-def send(key: str) -> HttpResponse:
-    request = RequestFactory().post("/deferred", data=b"{}", content_type="application/json")
-    request.META["HTTP_IDEMPOTENCY_KEY"] = key
-    request.user = AnonymousUser()
-    response: HttpResponse = create(request)
-    return response
+send, RAN = counted_view("deferred")
 
 
 def one_round(key: str) -> list[HttpResponse]:

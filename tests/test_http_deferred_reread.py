@@ -15,19 +15,14 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from django.contrib.auth.models import AnonymousUser
 from django.db import connection, connections
-from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.test import RequestFactory
+from django.http import HttpResponse
 
-from django_idempotency import idempotent
-from testproject.shop.models import Effect
 from tests.lock_waits import session_of, wait_until_blocked
-from tests.probes import effects
+from tests.probes import counted_view, effects
 
 pytestmark = [
     pytest.mark.postgres,
@@ -36,24 +31,7 @@ pytestmark = [
 
 HOOK = "idempotency_test_gate"
 GATE = 35_020_020
-RAN: Counter[str] = Counter()
-"""How many times the view ran for each key, committed or not."""
-
-
-@idempotent
-def create(request: HttpRequest) -> HttpResponse:
-    key = request.headers["Idempotency-Key"]
-    RAN[key] += 1
-    effect = Effect.objects.create(name="reread", payload=key)
-    return JsonResponse({"key": key, "effect": effect.pk}, status=201)
-
-
-def send(key: str) -> HttpResponse:
-    request = RequestFactory().post("/reread", data=b"{}", content_type="application/json")
-    request.META["HTTP_IDEMPOTENCY_KEY"] = key
-    request.user = AnonymousUser()
-    response: HttpResponse = create(request)
-    return response
+send, RAN = counted_view("reread")
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,10 +30,9 @@ from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect
 from testproject.shop.tasks import effect
-from tests.conftest import require_service
-from tests.outbox_helpers import celery_transports, start_relay, wait_for
+from tests.outbox_helpers import FAST_RELAY, celery_transports, start_relay, wait_for
 from tests.services import BROKER_URLS
-from tests.workers import REPO, WorkerGroup, database_url, worker_group
+from tests.workers import REPO, WorkerGroup, broker_workers_fixture, database_url
 
 pytestmark = [
     pytest.mark.slow,
@@ -44,27 +42,15 @@ pytestmark = [
     pytest.mark.django_db(transaction=True),
 ]
 
-FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
 
-
-@pytest.fixture(scope="module", params=sorted(BROKER_URLS))
-def workers(
-    request: pytest.FixtureRequest,
-    django_db_setup: None,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerGroup]:
-    if connection.vendor == "mysql" and request.param != "redis":
-        pytest.skip("MariaDB pass: on Redis (the broker side is proven in the PostgreSQL pass)")
-    require_service(request.param)
-    require_service("redis")
-    with worker_group(
-        broker_url=BROKER_URLS[request.param],
-        db_url=database_url(connection.settings_dict),
-        log_dir=tmp_path_factory.mktemp(f"delayed-{request.param}"),
-        label=f"delayed-{request.param}",
-        workers=1,
-    ) as group:
-        yield group
+workers = broker_workers_fixture(
+    "workers",
+    "delayed",
+    workers=1,
+    redis_only={
+        "mysql": "MariaDB pass: on Redis (the broker side is proven in the PostgreSQL pass)"
+    },
+)
 
 
 def applied(event_id: str) -> list[Effect]:

@@ -34,6 +34,7 @@ from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect, Order
 from tests.conftest import require_service
 from tests.outbox_helpers import (
+    FAST_RELAY,
     Process,
     celery_transports,
     proxy,
@@ -54,7 +55,6 @@ pytestmark = [
 SETTLE = 90.0
 SETTLE_VOLUME = 400.0
 """5,000 messages through one consumer process (50 to 100 a second on two shared cores)."""
-FAST_RELAY = ("--poll-interval", "0.2", "--backoff", "0.2", "--max-backoff", "0.5")
 
 
 @pytest.fixture(scope="module", params=sorted(BROKER_URLS))

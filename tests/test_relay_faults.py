@@ -75,27 +75,10 @@ class ClaimCommitCut(Proxy):
         self.armed = True
         self.cut = threading.Event()
 
-    def _accept(self, server: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = server.accept()
-            except OSError:
-                return  # stopped
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            with self._lock:
-                self._sockets += [client, upstream]
-            state = {"leased": False, "cutting": False}
-            threading.Thread(
-                target=self._outward, args=(client, upstream, state), daemon=True
-            ).start()
-            threading.Thread(
-                target=self._inward, args=(upstream, client, state), daemon=True
-            ).start()
+    def _forward(self, client: socket.socket, upstream: socket.socket) -> None:
+        state = {"leased": False, "cutting": False}
+        threading.Thread(target=self._outward, args=(client, upstream, state), daemon=True).start()
+        threading.Thread(target=self._inward, args=(upstream, client, state), daemon=True).start()
 
     def _outward(self, client: socket.socket, upstream: socket.socket, state: dict) -> None:
         try:

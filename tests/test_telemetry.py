@@ -16,6 +16,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -529,27 +530,35 @@ BLOCKED = textwrap.dedent(
 )
 
 
-def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path: Any) -> None:
-    """A fresh interpreter that cannot import ``opentelemetry`` (a meta-path finder refuses it)
-    serves a request and its replay, applies an event and writes an outbox message: all work,
-    and no ``opentelemetry`` module was loaded. On a throwaway SQLite database of its own."""
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'hidden.sqlite3'}",
-        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(NULL_TRANSPORTS),
-    }
+def run_fresh(script: str, database: Path, **env: str) -> dict[str, Any]:
+    """Run ``script`` in a fresh interpreter of the test project, on the throwaway SQLite
+    ``database`` of its own, with outbox transports that send nothing (``env`` added to its
+    environment); it must succeed, and its last line is JSON: that, read."""
     done = subprocess.run(
-        [sys.executable, "-c", BLOCKED],
+        [sys.executable, "-c", script],
         cwd=REPO,
-        env=env,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+            "DATABASE_URL": f"sqlite:///{database}",
+            "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(NULL_TRANSPORTS),
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_without_opentelemetry_nothing_is_imported_and_nothing_changes(tmp_path: Path) -> None:
+    """A fresh interpreter that cannot import ``opentelemetry`` (a meta-path finder refuses it)
+    serves a request and its replay, applies an event and writes an outbox message: all work,
+    and no ``opentelemetry`` module was loaded. On a throwaway SQLite database of its own."""
+    result = run_fresh(BLOCKED, tmp_path / "hidden.sqlite3")
     assert result == {
         "statuses": [201, 201],
         "replayed": "true",
@@ -611,29 +620,14 @@ BAD_PROPAGATOR = textwrap.dedent(
 )
 
 
-def test_an_opentelemetry_that_fails_to_load_switches_telemetry_off_once(tmp_path: Any) -> None:
+def test_an_opentelemetry_that_fails_to_load_switches_telemetry_off_once(tmp_path: Path) -> None:
     """``OTEL_PROPAGATORS`` naming a propagator that is not installed makes the real
     ``opentelemetry.propagate`` raise ValueError on import. A request and its replay, an event,
     two outbox messages and the relay's batch all work; telemetry is off, and one WARNING
     names the cause (the import is not tried again at every call)."""
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(REPO),
-        "DATABASE_URL": f"sqlite:///{tmp_path / 'bad-propagator.sqlite3'}",
-        "IDEMPOTENCY_OUTBOX_TRANSPORTS": json.dumps(NULL_TRANSPORTS),
-        "OTEL_PROPAGATORS": "b3multi_typo",
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", BAD_PROPAGATOR],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    result = run_fresh(
+        BAD_PROPAGATOR, tmp_path / "bad-propagator.sqlite3", OTEL_PROPAGATORS="b3multi_typo"
     )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
     warnings = result.pop("warnings")
     assert result == {
         "statuses": [201, 201],

@@ -23,8 +23,6 @@ from django.test import Client
 
 pytest.importorskip("opentelemetry.sdk")
 
-from opentelemetry.sdk.trace import TracerProvider
-
 from django_idempotency import telemetry
 from django_idempotency.events.core import process_event
 from django_idempotency.models import OutboxEntry
@@ -32,7 +30,7 @@ from django_idempotency.outbox import core as outbox
 from django_idempotency.outbox.relay import Relay
 from tests.otel_helpers import Sdk
 from tests.probes import post
-from tests.test_review2_telemetry import Broken, RaisingMeterProvider, RaisingProcessor
+from tests.test_review2_telemetry import Broken, broken_sdk  # noqa: F401 - the fixture
 from tests.test_telemetry import Answering, otel  # noqa: F401 - the fixture
 
 LOGGER = "django_idempotency"
@@ -112,15 +110,6 @@ def test_a_database_that_cannot_be_read_is_one_warning_per_outage(
 
 
 # --- 9. An SDK that raises at run time --------------------------------------------------------
-
-
-@pytest.fixture
-def broken_sdk() -> Iterator[None]:
-    provider = TracerProvider()
-    provider.add_span_processor(RaisingProcessor())
-    telemetry.configure(tracer_provider=provider, meter_provider=RaisingMeterProvider())
-    yield
-    telemetry.reset()
 
 
 @pytest.mark.django_db(transaction=True)

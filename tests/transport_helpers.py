@@ -49,6 +49,19 @@ def message(
     )
 
 
+def take(broker_url: str, queue: str, timeout: float) -> Any:
+    """Take (and ack) the next message on ``queue``, waiting up to ``timeout`` seconds for it;
+    its body decoded as a worker accepting JSON, pickle and YAML decodes it."""
+    with Connection(broker_url) as connection:
+        simple = connection.SimpleQueue(queue, accept=["json", "pickle", "yaml"])
+        try:
+            item = simple.get(timeout=timeout)
+            item.ack()
+            return item
+        finally:
+            simple.close()
+
+
 def drain(broker_url: str, queue: str, expected: int) -> list[Any]:
     """Take (and ack) ``expected`` messages from ``queue``, waiting up to 10 s for each."""
     received: list[Any] = []

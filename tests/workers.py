@@ -26,9 +26,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import pytest
 from celery import Celery
 from celery.result import AsyncResult
+from django.db import connection
 from kombu import Exchange, Queue
+
+from tests.conftest import require_service
+from tests.services import BROKER_URLS
 
 REPO = Path(__file__).resolve().parent.parent
 RESULT_BACKEND = "redis://127.0.0.1:6379/14"
@@ -255,3 +260,48 @@ def worker_group(
         stop_workers(group.workers)
         delete_queue(broker_url, queue)
         group.publisher.close()
+
+
+def broker_workers_fixture(
+    name: str,
+    label: str,
+    *,
+    redis_only: Mapping[str, str] | None = None,
+    doc: str | None = None,
+    **options: Any,
+) -> Any:
+    """A module-scoped fixture ``name``, parametrized over the brokers (``BROKER_URLS``): a
+    :func:`worker_group` on the broker, for every test of the module that asks for it.
+
+    Assign it to ``name`` in the test module (``workers = broker_workers_fixture("workers",
+    ...)``). Its queue and log directory are named ``label-BROKER``; ``options`` go to
+    :func:`worker_group` (``workers``, ``concurrency``, ``extra_env``). In the pass of a database
+    vendor (``connection.vendor``) that ``redis_only`` names, a broker other than Redis is
+    skipped, with the reason given there. The broker, and Redis (the result backend), must
+    answer (:func:`tests.conftest.require_service`).
+    """
+
+    def fixture(
+        request: pytest.FixtureRequest,
+        django_db_setup: None,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[WorkerGroup]:
+        broker = request.param
+        reason = (redis_only or {}).get(connection.vendor)
+        if reason is not None and broker != "redis":
+            pytest.skip(reason)
+        require_service(broker)
+        require_service("redis")  # the result backend
+        started = time.monotonic()
+        with worker_group(
+            broker_url=BROKER_URLS[broker],
+            db_url=database_url(connection.settings_dict),
+            log_dir=tmp_path_factory.mktemp(f"{label}-{broker}"),
+            label=f"{label}-{broker}",
+            **options,
+        ) as group:
+            print(f"\n[workers on {broker} ready in {time.monotonic() - started:.1f}s]")
+            yield group
+
+    fixture.__doc__ = doc
+    return pytest.fixture(scope="module", params=sorted(BROKER_URLS), name=name)(fixture)
