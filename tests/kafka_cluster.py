@@ -91,7 +91,7 @@ class Cluster:
         errors = [err for err in reports if err is not None]
         assert len(reports) == count and not errors, errors
 
-    def read(self, topic: str, count: int, timeout: float = 30.0) -> list[Message]:
+    def read(self, topic: str, count: int, timeout: float = 60.0) -> list[Message]:
         """The first ``count`` messages of ``topic`` (all partitions), read by a new group."""
         consumer = Consumer(
             {
@@ -165,7 +165,7 @@ class Cluster:
         finally:
             reader.close()
 
-    def wait_caught_up(self, topic: str, group: str, timeout: float = 60.0) -> None:
+    def wait_caught_up(self, topic: str, group: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             with suppress(KafkaException):

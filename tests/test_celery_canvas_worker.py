@@ -43,11 +43,11 @@ from tests.workers import WorkerGroup, database_url, worker_group
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),
     pytest.mark.django_db(transaction=True),
 ]
 
-TIMEOUT = 60.0
+TIMEOUT = 120.0  # a guard against a hang: real workers on a loaded CI machine
 
 
 @pytest.fixture(scope="module", params=sorted(BROKER_URLS))
