@@ -161,7 +161,8 @@ def test_a_stale_holder_that_wakes_after_a_takeover_cannot_store(
 ) -> None:
     caplog.set_level(logging.INFO, logger="django_idempotency")
     key = str(uuid.uuid4())
-    policy = lease_policy(1.5)
+    # Long enough that the first retry, at once, lands inside it on a loaded machine.
+    policy = lease_policy(4)
     started, wake = threading.Event(), threading.Event()
 
     def slow_holder() -> str:
