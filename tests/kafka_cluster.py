@@ -203,8 +203,9 @@ class ConsumerProcess:
                 raise TimeoutError(f"{text!r} not in the log of {self.name}:\n{self.output()}")
             time.sleep(0.1)
 
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, and the exit status once it has stopped."""
+    def terminate(self, timeout: float = 90.0) -> int:
+        """SIGTERM, and the exit status once it has stopped (``timeout``: a guard against a
+        hang; the message in hand, the offsets' commit and leaving the group come first)."""
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
 
