@@ -21,8 +21,8 @@ import pytest
 
 from tests.workers import Worker, spawn
 
-READY_TIMEOUT = 60.0
-WAIT_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0  # guards against a hang: Django's start alone took 11 s on CI
+WAIT_TIMEOUT = 120.0  # a guard against a hang, never a timing
 STOP_TIMEOUT = 15.0
 READY_LINE = "Starting worker worker_id="
 

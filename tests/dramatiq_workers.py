@@ -27,7 +27,7 @@ from dramatiq.brokers.redis import RedisBroker
 from tests.workers import Worker, spawn
 
 READY = "Worker process is ready for action."
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 120.0  # guards against a hang: Django's start alone took 11 s on CI
 
 
 def new_queue(label: str) -> str:
@@ -100,7 +100,7 @@ class DramatiqGroup:
     def logs(self) -> str:
         return "\n".join(f"--- {w.name} ---\n{w.output()[-6000:]}" for w in self.workers)
 
-    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    def wait_for(self, condition: Callable[[], bool], what: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while not condition():
             if time.monotonic() > deadline:

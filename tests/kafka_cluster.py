@@ -91,7 +91,7 @@ class Cluster:
         errors = [err for err in reports if err is not None]
         assert len(reports) == count and not errors, errors
 
-    def read(self, topic: str, count: int, timeout: float = 30.0) -> list[Message]:
+    def read(self, topic: str, count: int, timeout: float = 60.0) -> list[Message]:
         """The first ``count`` messages of ``topic`` (all partitions), read by a new group."""
         consumer = Consumer(
             {
@@ -165,7 +165,7 @@ class Cluster:
         finally:
             reader.close()
 
-    def wait_caught_up(self, topic: str, group: str, timeout: float = 60.0) -> None:
+    def wait_caught_up(self, topic: str, group: str, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
             with suppress(KafkaException):
@@ -203,8 +203,9 @@ class ConsumerProcess:
                 raise TimeoutError(f"{text!r} not in the log of {self.name}:\n{self.output()}")
             time.sleep(0.1)
 
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM, and the exit status once it has stopped."""
+    def terminate(self, timeout: float = 90.0) -> int:
+        """SIGTERM, and the exit status once it has stopped (``timeout``: a guard against a
+        hang; the message in hand, the offsets' commit and leaving the group come first)."""
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
 

@@ -76,8 +76,11 @@ def _wait_until(done: Any, seconds: float) -> bool:
     return True
 
 
-def stop_leftovers(grace: float = 5.0) -> None:
-    """Stop what outlived its test; warn naming it; fail if a relay thread cannot be stopped."""
+def stop_leftovers(grace: float = 15.0) -> None:
+    """Stop what outlived its test; warn naming it; fail if a relay thread cannot be stopped.
+
+    ``grace``: how long a relay its test already stopped may take to return on a loaded machine
+    before it counts as left serving (costs nothing when none serves)."""
     if not _wait_until(lambda: not SERVING, grace):
         with _lock:
             left = list(SERVING.values())
@@ -86,7 +89,7 @@ def stop_leftovers(grace: float = 5.0) -> None:
             warnings.warn(
                 f"a relay started by {test} was still serving", RelayOutlivedItsTest, stacklevel=1
             )
-        if not _wait_until(lambda: not SERVING, 30.0):
+        if not _wait_until(lambda: not SERVING, 120.0):  # a guard against a hang
             raise AssertionError(f"relays that would not stop: {[t for _, t in left]}")
     alive = [(p, test) for p, test in PROCESSES if p.poll() is None]
     PROCESSES.clear()

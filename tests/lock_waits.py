@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from django.db import connection, connections
 
-WAIT_TIMEOUT = 30.0
+WAIT_TIMEOUT = 60.0  # a guard against a hang, never a timing
 
 INNODB_POLL = 0.15
 """Seconds between two reads of ``INNODB_TRX``. InnoDB refills that table's cache only when it

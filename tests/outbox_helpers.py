@@ -48,7 +48,7 @@ class Process:
     def wait(self, timeout: float) -> int:
         return self.process.wait(timeout)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int | None:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         if self.process.poll() is None:
             with suppress(ProcessLookupError):
                 os.kill(self.process.pid, sig)

@@ -31,7 +31,7 @@ from tests.workers import database_url, worker_group
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True, databases=["default", "other"]),
 ]
 

@@ -17,7 +17,7 @@ from django_idempotency.signals import event_duplicate
 from testproject.shop.models import Effect, Order, Payment
 from testproject.shop.tasks import PaymentMismatch, on_payment_captured
 
-JOIN_TIMEOUT = 30.0
+JOIN_TIMEOUT = 60.0  # a guard against a hang, never a timing
 
 
 class Boom(Exception):

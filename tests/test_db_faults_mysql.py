@@ -19,7 +19,7 @@ from tests.test_db_faults import COMMIT, assert_once, assert_unavailable, post, 
 
 pytestmark = [
     pytest.mark.mysql,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 

@@ -44,7 +44,7 @@ from tests.poison_tasks_django import apply, exits, raises
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 

@@ -50,7 +50,7 @@ from testproject.shop.tasks_django import (
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 

@@ -100,7 +100,7 @@ def count(project: Path, table: str) -> int:
 
 
 def wait_for(condition: object, what: str, process: subprocess.Popen[str] | None = None) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # a guard against a hang: processes start slowly on CI
     while not condition():  # type: ignore[operator]
         if process is not None and process.poll() is not None:
             raise AssertionError(f"{what}: the process exited: {output_of(process)}")

@@ -24,7 +24,7 @@ from tests.dramatiq_workers import DramatiqGroup, dramatiq_group
 from tests.services import BROKER_URLS
 from tests.workers import database_url
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture(params=sorted(BROKER_URLS))

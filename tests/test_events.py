@@ -32,7 +32,7 @@ from django_idempotency.exceptions import EventParked, InvalidEventId, MissingEv
 from django_idempotency.models import EventDelivery, ProcessedEvent
 from testproject.shop.models import Effect
 
-JOIN_TIMEOUT = 30.0
+JOIN_TIMEOUT = 60.0  # a guard against a hang, never a timing
 
 
 class Boom(Exception):

@@ -175,7 +175,7 @@ def _take_over(key: str) -> None:
     thread, outcome = in_thread(
         lambda: IdempotencyRecord.objects.filter(key=key).update(token=uuid.uuid4())
     )
-    thread.join(10)
+    thread.join(60)
     assert outcome.get("result") == 1, outcome
 
 

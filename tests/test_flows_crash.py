@@ -40,7 +40,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
     pytest.mark.mysql,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 
@@ -143,7 +143,7 @@ def test_the_command_in_its_own_process_finishes_a_killed_request(
     env["PSP_URL"] = psp.url
     done = subprocess.run(
         [sys.executable, "manage.py", "idempotency_complete", "--json"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=60, check=True,
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     [line] = done.stdout.splitlines()
     assert json.loads(line) | {"record": None} == {
@@ -175,7 +175,7 @@ def test_the_celery_task_on_a_real_worker_finishes_a_killed_request(
         concurrency=1,
     ) as group:
         result = group.publish("django_idempotency.complete_flows")
-        [done] = result.get(timeout=60)
+        [done] = result.get(timeout=120)  # a guard against a hang, not a timing
     assert (done["key"], done["outcome"], done["status"]) == (key, "completed", 201)
     late = server.post(URL, key, body=RIDE)
     assert late.headers.get("Idempotent-Replayed") == "true"

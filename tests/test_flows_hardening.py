@@ -260,7 +260,7 @@ def test_a_stale_holders_pause_leaves_the_new_holders_lease_alone() -> None:
             )
 
         thread, outcome = in_thread(taken_over)
-        thread.join(10)
+        thread.join(60)
         assert outcome.get("result") == 1, outcome
         raise ProbeError("the stale holder fails after the takeover")
 

@@ -38,7 +38,7 @@ def one_round(key: str) -> list[HttpResponse]:
 
     def original() -> list[HttpResponse]:
         try:
-            start.wait(10)
+            start.wait(60)
             return [send(key)]
         finally:
             original_done.set()
@@ -47,7 +47,7 @@ def one_round(key: str) -> list[HttpResponse]:
     def duplicate() -> list[HttpResponse]:
         answers = []
         try:
-            start.wait(10)
+            start.wait(60)
             while not answers or answers[-1].status_code == 409:
                 answers.append(send(key))
                 assert len(answers) < 100_000 or not original_done.is_set(), "no replay came"

@@ -198,7 +198,7 @@ def test_concurrent_duplicates_get_409(url: str) -> None:
 
     def send() -> None:
         try:
-            barrier.wait(10)
+            barrier.wait(60)
             response = Client().post(
                 url,
                 json.dumps(ORDER),

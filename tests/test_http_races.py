@@ -35,7 +35,7 @@ def race(count: int, send: Callable[[int], Reply]) -> list[Reply]:
 
     def one(index: int) -> Reply:
         try:
-            barrier.wait(10)
+            barrier.wait(60)
             return send(index)
         finally:
             connections.close_all()

@@ -341,7 +341,7 @@ class Gate:
     def view(self) -> str:
         Effect.objects.create(name="gated")
         self.started.set()
-        assert self.release.wait(10), "the test never released the gate"
+        assert self.release.wait(180), "the test never released the gate"
         return "done"
 
 
@@ -364,14 +364,15 @@ def race_once(policy: Policy, *, release_after: float | None) -> dict[str, Any]:
     first, first_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), gate.view, capture)
     )
-    assert gate.started.wait(10)
+    assert gate.started.wait(60)
     second, second_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), lambda: "never", capture)
     )
-    second.join(timeout=10 if release_after is None else release_after)
+    # B has this long to end while A holds (a guard: B that waits for A shows in its outcome).
+    second.join(timeout=60 if release_after is None else release_after)
     gate.release.set()
-    first.join(timeout=10)
-    second.join(timeout=10)
+    first.join(timeout=60)
+    second.join(timeout=60)
     assert first_outcome == {"result": "done"}
     assert effects("gated") == 1
     return second_outcome

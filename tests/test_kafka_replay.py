@@ -70,7 +70,7 @@ def consumer_named(kafka_mock: MockCluster) -> Iterator[dict[str, Any]]:
         yield consumer
 
 
-@pytest.mark.timeout(20)  # the replay waited two minutes for an assignment that never came
+@pytest.mark.timeout(90)  # the replay waited two minutes for an assignment that never came
 def test_without_a_dead_letter_topic_the_replay_says_nothing_to_replay_at_once(
     kafka_mock: MockCluster, consumer_named: dict[str, Any]
 ) -> None:
@@ -84,7 +84,9 @@ def test_without_a_dead_letter_topic_the_replay_says_nothing_to_replay_at_once(
         f"no dead-letter topic exists ({topic}.dlq): nothing was dead-lettered",
         "nothing to replay",
     ]
-    assert took < 5, took
+    # Not a timing: the bug waited for an assignment that never came (the group's wait, 60 s,
+    # and more); a fraction of that, however loaded the machine, shows it did not wait.
+    assert took < 30, took
     # Read from the list of every topic: asking for it by name could have created it.
     reader = Consumer({"bootstrap.servers": kafka_mock.bootstrap, "group.id": "unused"})
     try:
@@ -97,7 +99,7 @@ def test_the_replay_says_it_waits_for_its_group_and_gives_up_when_the_wait_is_ov
     kafka_mock: MockCluster, consumer_named: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The group takes longer to form than the replay may wait (the brokers' initial rebalance
-    delay, here 4 s, stands for a killed replay that holds the group): it said at once that it
+    delay, here 15 s, stands for a killed replay that holds the group): it said at once that it
     waits for the group, said it again while waiting, and gave up when the wait was over, with
     an error naming the group. Once the group forms in time, the same replay runs."""
     [topic] = consumer_named["TOPICS"]
@@ -113,7 +115,7 @@ def test_the_replay_says_it_waits_for_its_group_and_gives_up_when_the_wait_is_ov
 
     if not kafka_mock.sets_rebalance_delay:
         pytest.skip("this librdkafka cannot delay its mock groups' first assignment")
-    kafka_mock.rebalance_delay(4000)
+    kafka_mock.rebalance_delay(15000)  # far past the 1.5 s bound, however loaded the machine
     try:
         started = time.monotonic()
         with pytest.raises(DeadLetterFailed) as failed:
@@ -122,7 +124,7 @@ def test_the_replay_says_it_waits_for_its_group_and_gives_up_when_the_wait_is_ov
     finally:
         kafka_mock.rebalance_delay(0)
 
-    # It gave up (raised) before the group's assignment, 4 s away: the bound is what ended it.
+    # It gave up (raised) before the group's assignment, 15 s away: the bound is what ended it.
     assert took >= 1.5, took
     assert lines[0] == f"waiting for group {group} to assign {dead_letters} (at most 1.5s)"
     assert any(line.startswith(f"still waiting for group {group} (") for line in lines[1:])
@@ -202,7 +204,7 @@ def wait_for(log: Path, text: str, process: subprocess.Popen[bytes], timeout: fl
 
 @pytest.mark.slow
 @pytest.mark.second_broker
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)  # above the sum of its waits (60 + 90 + 60 + 75 + 3 x 10 s)
 @pytest.mark.django_db(transaction=True)
 def test_a_replay_right_after_a_killed_one_says_it_waits_and_finishes_in_time(
     kafka_cluster: Cluster, tmp_path: Path

@@ -42,7 +42,7 @@ pytestmark = [
     # PostgreSQL and MariaDB; SQLite's single writer adds nothing the runner does not show there.
     pytest.mark.postgres,
     pytest.mark.mysql,
-    pytest.mark.timeout(240),
+    pytest.mark.timeout(480),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 
@@ -135,7 +135,7 @@ def test_sigterm_finishes_the_message_in_hand_and_commits_its_offset(
     assert "stopped: 1 applied" in consumer.output()
 
 
-def wait_for_file(path: Path, consumer: ConsumerProcess, timeout: float = 60.0) -> None:
+def wait_for_file(path: Path, consumer: ConsumerProcess, timeout: float = 120.0) -> None:
     for _ in range(int(timeout * 10)):
         if path.exists():
             return
@@ -189,7 +189,8 @@ def until_one_survives(
     default). Returns the deaths and the survivor."""
     for deaths in range(most):
         consumer = consumers(**env)
-        for _ in range(600):
+        # Up to 120 s for it to die or apply: a guard, its Django start alone took 11 s on CI.
+        for _ in range(1200):
             if consumer.process.poll() is not None or len(effects()) >= applied:
                 break
             threading.Event().wait(0.1)
@@ -273,7 +274,7 @@ def test_two_consumers_through_rebalances_apply_each_event_once(
     assert {partition_of[event] for event in twice} <= refused, (twice, refused)
 
 
-def wait_for_effects(count: int, timeout: float = 60.0) -> None:
+def wait_for_effects(count: int, timeout: float = 120.0) -> None:
     for _ in range(int(timeout * 10)):
         if Effect.objects.filter(name="kafka").count() >= count:
             return

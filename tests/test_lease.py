@@ -143,7 +143,7 @@ def test_the_claim_is_committed_before_the_view_runs() -> None:
             seen.update(row)
 
         thread, outcome = in_thread(look)
-        thread.join(10)
+        thread.join(60)
         assert outcome == {"result": None}
         return "ok"
 
@@ -161,12 +161,13 @@ def test_a_stale_holder_that_wakes_after_a_takeover_cannot_store(
 ) -> None:
     caplog.set_level(logging.INFO, logger="django_idempotency")
     key = str(uuid.uuid4())
-    policy = lease_policy(1.5)
+    # Long enough that the first retry, at once, lands inside it on a loaded machine.
+    policy = lease_policy(4)
     started, wake = threading.Event(), threading.Event()
 
     def slow_holder() -> str:
         started.set()
-        assert wake.wait(20), "the test never woke the holder"
+        assert wake.wait(120), "the test never woke the holder"
         Effect.objects.create(name="charge", payload="first holder")
         return "first holder"
 
@@ -177,9 +178,9 @@ def test_a_stale_holder_that_wakes_after_a_takeover_cannot_store(
     holder, holder_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), slow_holder, capture)
     )
-    assert started.wait(10)
+    assert started.wait(60)
     refused = 0
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # a guard against a hang, not a timing
     while True:  # a client retrying on 409 until the lease runs out
         try:
             result = Idempotency(policy).run(command(key), retry, capture)
@@ -191,7 +192,7 @@ def test_a_stale_holder_that_wakes_after_a_takeover_cannot_store(
     assert result == "retry"
     assert refused >= 1  # inside the lease the retry was refused
     wake.set()
-    holder.join(20)
+    holder.join(60)
     # The first holder woke up, did its work, and failed to store: its transaction rolled back.
     assert isinstance(holder_outcome.get("error"), RequestInProgress)
     assert list(Effect.objects.values_list("payload", flat=True)) == ["retry"]
@@ -212,19 +213,19 @@ def test_a_concurrent_duplicate_during_the_lease_is_refused() -> None:
 
     def holder_view() -> str:
         started.set()
-        assert wake.wait(20)
+        assert wake.wait(120)
         return body_text
 
     body_text = "holder"
     holder, holder_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), holder_view, capture)
     )
-    assert started.wait(10)
+    assert started.wait(60)
     with pytest.raises(RequestInProgress) as caught:
         Idempotency(policy).run(command(key), lambda: "duplicate", capture)
     assert caught.value.as_response()["Retry-After"] == "2"
     wake.set()
-    holder.join(20)
+    holder.join(60)
     assert holder_outcome == {"result": "holder"}
     assert isinstance(Idempotency(policy).run(command(key), lambda: "again", capture), Replay)
 
@@ -240,14 +241,14 @@ def test_a_stale_holder_that_raises_does_not_release_the_new_claim(
 
     def holder_view() -> str:
         started.set()
-        assert wake.wait(20)
+        assert wake.wait(120)
         raise ProbeError("the holder fails after the takeover")
 
     holder, holder_outcome = in_thread(
         lambda: Idempotency(policy).run(command(key), holder_view, capture)
     )
-    assert started.wait(10)
-    deadline = time.monotonic() + 15
+    assert started.wait(60)
+    deadline = time.monotonic() + 60  # a guard against a hang, not a timing
     while True:
         try:
             assert Idempotency(policy).run(command(key), lambda: "retry", capture) == "retry"
@@ -256,7 +257,7 @@ def test_a_stale_holder_that_raises_does_not_release_the_new_claim(
             assert time.monotonic() < deadline
             time.sleep(0.1)
     wake.set()
-    holder.join(20)
+    holder.join(60)
     assert isinstance(holder_outcome.get("error"), ProbeError)  # propagated as usual
     stored = IdempotencyRecord.objects.get()
     assert stored.state == IdempotencyRecord.State.COMPLETED  # not released by the holder

@@ -50,7 +50,7 @@ def take_over(key: str, view: Any) -> tuple[threading.Thread, dict[str, Any]]:
                 threading.Event().wait(0.05)  # inside the lease: a client retries later
 
     thread, outcome = in_thread(run)
-    assert running.wait(20), "the new holder never took the claim over"
+    assert running.wait(60), "the new holder never took the claim over"
     return thread, outcome
 
 
@@ -59,13 +59,13 @@ def stale_holder(key: str, view: Any) -> tuple[threading.Thread, dict[str, Any],
 
     def holder_view() -> Any:
         started.set()
-        assert wake.wait(30), "the test never woke the stale holder"
+        assert wake.wait(180), "the test never woke the stale holder"
         return view()
 
     thread, outcome = in_thread(
         lambda: Idempotency(short_lease()).run(command(key), holder_view, capture)
     )
-    assert started.wait(10)
+    assert started.wait(60)
     return thread, outcome, wake
 
 
@@ -82,16 +82,16 @@ def test_a_stale_holder_finishing_while_the_new_one_runs_gets_409() -> None:
     finish_new = threading.Event()
 
     def new_view() -> str:
-        assert finish_new.wait(30)
+        assert finish_new.wait(180)
         Effect.objects.create(name="charge", payload="new")
         return "new"
 
     new, new_outcome = take_over(key, new_view)
     wake_stale.set()  # the new holder's view is still running
-    stale.join(30)
+    stale.join(60)
     assert isinstance(stale_outcome.get("error"), RequestInProgress), stale_outcome
     finish_new.set()
-    new.join(30)
+    new.join(60)
     assert new_outcome == {"result": "new"}
     assert list(Effect.objects.values_list("payload", flat=True)) == ["new"]
     assert bytes(IdempotencyRecord.objects.get().response_body or b"") == b"new"
@@ -107,16 +107,16 @@ def test_a_stale_holder_raising_while_the_new_one_runs_keeps_the_new_claim() -> 
 
     stale, stale_outcome, wake_stale = stale_holder(key, stale_view)
     finish_new = threading.Event()
-    new, new_outcome = take_over(key, lambda: "new" if finish_new.wait(30) else "timed out")
+    new, new_outcome = take_over(key, lambda: "new" if finish_new.wait(180) else "timed out")
     claim = IdempotencyRecord.objects.get()
     wake_stale.set()
-    stale.join(30)
+    stale.join(60)
     assert isinstance(stale_outcome.get("error"), ProbeError)
     still = IdempotencyRecord.objects.filter(pk=claim.pk, token=claim.token).first()
     assert still is not None, "the stale holder released the new holder's claim"
     assert still.state == IdempotencyRecord.State.IN_PROGRESS
     finish_new.set()
-    new.join(30)
+    new.join(60)
     assert new_outcome == {"result": "new"}
     assert isinstance(
         Idempotency(short_lease()).run(command(key), lambda: "again", capture), Replay

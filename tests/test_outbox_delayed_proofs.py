@@ -1,8 +1,8 @@
 """Delayed outbox messages with real processes (issue 36): relays (``manage.py
 idempotency_relay``), Celery workers and a producer, on the test database; SIGKILLs.
 
-* A message with ``countdown=5`` held by a relay (``CeleryTransport(hold_until_due=True)``) runs
-  5 s or more after its COMMIT, exactly once, across a SIGKILL of the relay while it holds it.
+* A message with ``countdown=10`` held by a relay (``CeleryTransport(hold_until_due=True)``) runs
+  10 s or more after its COMMIT, exactly once, across a SIGKILL of the relay while it holds it.
 * A producer SIGKILLed between its COMMIT and its ``on_commit`` hook: the relay starts the
   countdown, and the task runs once, no earlier than the countdown after the commit.
 * Kafka: the relay holds the message until it is due, across a SIGKILL, and the later message of
@@ -30,7 +30,7 @@ from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
 from testproject.shop.models import Effect
 from testproject.shop.tasks import effect
-from tests.outbox_helpers import FAST_RELAY, celery_transports, start_relay, wait_for
+from tests.outbox_helpers import FAST_RELAY, Process, celery_transports, start_relay, wait_for
 from tests.services import BROKER_URLS
 from tests.workers import REPO, WorkerGroup, broker_workers_fixture, database_url
 
@@ -38,9 +38,21 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
     pytest.mark.mysql,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of a test's guards against a hang (none is a timing)
     pytest.mark.django_db(transaction=True),
 ]
+
+WAIT = 120.0
+"""A guard against a hang, never a timing: a relay's Django start alone took 11 s on the
+loaded CI machine."""
+COUNTDOWN = 10
+"""Seconds a held message waits: long enough that the test's steps before the due time (a
+check that it is held, a SIGKILL) fit on a loaded machine."""
+
+
+def started(relay: Process) -> None:
+    """Wait until ``relay`` serves (its Django start is behind it)."""
+    wait_for(lambda: "outbox relay started" in relay.output(), WAIT, "the relay", relay.output)
 
 
 workers = broker_workers_fixture(
@@ -67,9 +79,11 @@ def test_a_held_countdown_runs_once_when_due_across_a_sigkill_of_its_relay(
         broker_url=workers.broker_url,
     )  # fmt: skip
     event_id = str(new_event_id())
-    time.sleep(3)  # the relay is up, listening or polling
+    started(first)
     with transaction.atomic():
-        outbox.publish(effect, kwargs={"event_id": event_id}, queue=workers.queue, countdown=5)
+        outbox.publish(
+            effect, kwargs={"event_id": event_id}, queue=workers.queue, countdown=COUNTDOWN
+        )
         before = time.time()
     committed = (before + time.time()) / 2
     time.sleep(2)
@@ -82,7 +96,7 @@ def test_a_held_countdown_runs_once_when_due_across_a_sigkill_of_its_relay(
     try:
         wait_for(
             lambda: bool(applied(event_id)),
-            40,
+            WAIT + COUNTDOWN,
             "the held message's effect",
             lambda: second.output() + workers.logs(),
         )
@@ -90,10 +104,10 @@ def test_a_held_countdown_runs_once_when_due_across_a_sigkill_of_its_relay(
     finally:
         second.stop()
     (done,) = applied(event_id)
-    assert done.created_at.timestamp() >= committed + 5
+    assert done.created_at.timestamp() >= committed + COUNTDOWN
     row = OutboxEntry.objects.get(event_id=event_id)
     assert (row.state, row.attempts) == ("sent", 1)
-    assert row.sent_at is not None and row.sent_at.timestamp() >= committed + 5
+    assert row.sent_at is not None and row.sent_at.timestamp() >= committed + COUNTDOWN
 
 
 PRODUCER = """
@@ -127,7 +141,7 @@ def test_a_producer_killed_before_its_hook_leaves_the_countdown_to_the_relay(
             "CELERY_BROKER_URL": workers.broker_url,
         },
         capture_output=True,
-        timeout=60,
+        timeout=WAIT,
         check=False,
     )
     assert producer.returncode == -signal.SIGKILL, producer.stderr.decode()
@@ -142,7 +156,7 @@ def test_a_producer_killed_before_its_hook_leaves_the_countdown_to_the_relay(
     try:
         wait_for(
             lambda: bool(applied(event_id)),
-            40,
+            WAIT,
             "the effect",
             lambda: relay.output() + workers.logs(),
         )
@@ -178,27 +192,29 @@ def test_kafka_holds_a_message_until_due_and_its_key_behind_it_across_a_sigkill(
     db = database_url(connection.settings_dict)
     redis = BROKER_URLS["redis"]
 
-    def relay(log: str) -> object:
+    def relay(log: str) -> Process:
         return start_relay(
             *FAST_RELAY, db_url=db, transports=json.dumps(transports), log=tmp_path / log,
             broker_url=redis,
         )  # fmt: skip
 
     first = relay("relay-1.log")
-    time.sleep(3)
+    started(first)
     with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": transports}), transaction.atomic():
-        outbox.send(topic, {"n": "held"}, key="k", countdown=4, transport="kafka")
+        outbox.send(topic, {"n": "held"}, key="k", countdown=COUNTDOWN, transport="kafka")
         outbox.send(topic, {"n": "behind"}, key="k", transport="kafka")
         outbox.send(topic, {"n": "free"}, key="j", transport="kafka")
         before = time.time()
     committed = (before + time.time()) / 2
-    wait_for(lambda: kafka_cluster.count(topic) >= 1, 20, "the free message", first.output)
+    wait_for(lambda: kafka_cluster.count(topic) >= 1, WAIT, "the free message", first.output)
     time.sleep(1.0)
     assert kafka_cluster.count(topic) == 1  # the held one and its key wait
     first.stop(signal.SIGKILL)
     second = relay("relay-2.log")
     try:
-        wait_for(lambda: kafka_cluster.count(topic) >= 3, 40, "all three", second.output)
+        wait_for(
+            lambda: kafka_cluster.count(topic) >= 3, WAIT + COUNTDOWN, "all three", second.output
+        )
         time.sleep(1.0)
     finally:
         second.stop()
@@ -209,4 +225,4 @@ def test_kafka_holds_a_message_until_due_and_its_key_behind_it_across_a_sigkill(
     held, behind = by_name["held"], by_name["behind"]
     assert held.partition() == behind.partition()
     assert held.offset() < behind.offset()  # the key's order
-    assert held.timestamp()[1] / 1000 >= committed + 4  # produced once due
+    assert held.timestamp()[1] / 1000 >= committed + COUNTDOWN  # produced once due

@@ -189,7 +189,7 @@ def test_the_rotation_goes_on_after_a_sigkill() -> None:
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # Django's start included: a guard, not a timing
         while under(k2) < count // 10:
             assert process.poll() is None, process.communicate()[0].decode()
             assert time.monotonic() < deadline, "the rotation never got going"

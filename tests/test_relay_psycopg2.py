@@ -80,7 +80,9 @@ def test_under_psycopg2_a_notification_wakes_the_relay(tmp_path: Path) -> None:
         broker_url="memory://",
     )
     try:
-        wait_for(lambda: bool(listeners()), 30, "the relay's LISTEN", relay.output)
+        # A guard against a hang (Django's start alone took 11 s on the loaded CI machine); the
+        # waits below, under the 60 s poll interval, are what shows a NOTIFY woke the relay.
+        wait_for(lambda: bool(listeners()), 120, "the relay's LISTEN", relay.output)
         assert "driver: psycopg2" in relay.output()
         written = time.monotonic()
         first = write("psycopg2.first")

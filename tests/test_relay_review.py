@@ -53,7 +53,7 @@ def write(*destinations: str, using: str = "default") -> list[str]:
         return [outbox.send(d, {"d": d}, using=using) for d in destinations]
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
+def wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if condition():
@@ -76,7 +76,7 @@ def serving(relay: Relay, poll_interval: float) -> Iterator[None]:
         yield
     finally:
         relay.stop()
-        thread.join(20)
+        thread.join(60)
         assert not thread.is_alive()
 
 
@@ -285,7 +285,7 @@ class Holding(SentIdsTransport):
 
     def send(self, messages: Sequence[OutboxMessage]) -> list[BaseException | None]:
         self.entered.set()
-        assert self.release.wait(30)
+        assert self.release.wait(180)
         return super().send(messages)
 
 
@@ -319,7 +319,7 @@ def test_a_suspect_taken_back_keeps_the_lease_while_its_first_sender_may_still_s
 
     thread = threading.Thread(target=run_b)
     thread.start()
-    assert stalled.entered.wait(15)
+    assert stalled.entered.wait(60)
     time.sleep(0.6)  # B's lease runs out: a suspect
     a_transport, c_transport = SentIdsTransport(), SentIdsTransport()
     a = Relay(using=PROXIED, transports={"default": a_transport}, lease=30)
@@ -336,7 +336,7 @@ def test_a_suspect_taken_back_keeps_the_lease_while_its_first_sender_may_still_s
         assert a_transport.sent == c_transport.sent == []
     finally:
         stalled.release.set()
-        thread.join(15)
+        thread.join(60)
     assert not errors, errors
     assert stalled.sent == [event]
     assert OutboxEntry.objects.get(event_id=event).state == "sent"  # B's sent mark stands
@@ -377,14 +377,15 @@ def test_a_lost_listen_connection_is_one_warning_then_it_listens_again(
     monkeypatch.setattr(store.Listener, "RETRY_EVERY", 0.3)
     transport = SentIdsTransport()
     relay = Relay(transports={"default": transport})
-    with caplog.at_level(logging.DEBUG, logger=LOGGER), serving(relay, poll_interval=60.0):
+    with caplog.at_level(logging.DEBUG, logger=LOGGER), serving(relay, poll_interval=600.0):
         assert wait_for(lambda: listener_pid(relay) != 0)
         lost = listener_pid(relay)
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(%s)", [lost])
         assert wait_for(lambda: listener_pid(relay) not in (0, lost))
         (event,) = write("relisten.topic")
-        assert wait_for(lambda: event in transport.sent, 10), "not woken: polling only"
+        # A minute, a guard against a hang: the poll interval (ten) is what a poll would take.
+        assert wait_for(lambda: event in transport.sent), "not woken: polling only"
     records = [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
     assert len(records) == 1, [r.getMessage() for r in records]
     assert records[0].getMessage().startswith("outbox relay: LISTEN connection lost (")
@@ -417,7 +418,7 @@ def test_psycopg2_a_dropped_listen_connection_is_handled_not_raised(
     listener.wrapper = types.SimpleNamespace(connection=raw, close=raw.close)  # type: ignore[assignment]
     try:
         write("notified.topic")
-        assert listener.wait(5.0) is True  # a real notification, through poll()
+        assert listener.wait(30.0) is True  # a real notification, through poll()
         pid = raw.get_backend_pid()
         with connection.cursor() as cursor:
             cursor.execute("SELECT pg_terminate_backend(%s)", [pid])
@@ -429,7 +430,7 @@ def test_psycopg2_a_dropped_listen_connection_is_handled_not_raised(
 
         assert wait_for(gone)
         with caplog.at_level(logging.DEBUG, logger=LOGGER):
-            assert listener.wait(1.0) is True  # lost: look now, a notification may be lost
+            assert listener.wait(10.0) is True  # lost: look now, a notification may be lost
             assert not listener.listening and raw.closed
             listener.report_loss(outage=False)
             started = time.monotonic()

@@ -90,7 +90,7 @@ def slow_phase_view(request: HttpRequest, flow: Flow) -> HttpResponse:
         if HOLD.is_set():
             HOLD.clear()
             HOLDING.set()
-            assert WAKE.wait(30), "the test never woke the stale holder"
+            assert WAKE.wait(180), "the test never woke the stale holder"
         return Effect.objects.create(name="review-phase", payload=key).pk
 
     flow.phase("charge", charge)
@@ -118,13 +118,13 @@ def test_a_phase_that_outlived_its_lease_gets_409_not_500(level: str) -> None:
         return slow_phase_view(json_post(key))
 
     holder, held = in_thread(stale)
-    assert HOLDING.wait(10)
+    assert HOLDING.wait(60)
     threading.Event().wait(0.6)  # the holder's lease runs out
     retry, retried = in_thread(lambda: slow_phase_view(json_post(key)))
-    retry.join(30)
+    retry.join(60)
     assert retried["result"].status_code == 201, retried
     WAKE.set()
-    holder.join(30)
+    holder.join(60)
     assert "error" not in held, held
     assert held["result"].status_code == 409, held["result"].content
     assert effects("review-phase", key) == 1

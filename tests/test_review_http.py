@@ -45,7 +45,7 @@ def test_a_stale_holder_at_a_strict_isolation_level_gets_409_not_500(
     def stale_view() -> str:
         Effect.objects.filter(name="review-charge").count()  # fixes the snapshot
         started.set()
-        assert wake.wait(30), "the test never woke the stale holder"
+        assert wake.wait(180), "the test never woke the stale holder"
         Effect.objects.create(name="review-charge", payload="stale")
         return "stale"
 
@@ -57,12 +57,12 @@ def test_a_stale_holder_at_a_strict_isolation_level_gets_409_not_500(
         )
 
     stale, stale_outcome = in_thread(stale_request)
-    assert started.wait(10)
+    assert started.wait(60)
     new, new_outcome = take_over(key, lambda: "new")
-    new.join(30)
+    new.join(60)
     assert new_outcome == {"result": "new"}
     wake.set()
-    stale.join(30)
+    stale.join(60)
     assert isinstance(stale_outcome.get("error"), RequestInProgress), stale_outcome
     assert int(stale_outcome["error"].retry_after) >= 1
     assert not Effect.objects.filter(name="review-charge").exists()

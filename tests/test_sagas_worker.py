@@ -31,7 +31,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.postgres,
     pytest.mark.mysql,
-    pytest.mark.timeout(300),
+    pytest.mark.timeout(600),  # above the sum of its guards against a hang
     pytest.mark.django_db(transaction=True),
 ]
 

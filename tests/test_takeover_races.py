@@ -42,7 +42,7 @@ def test_concurrent_takeovers_of_a_stale_lease_give_one_winner(
     )
     # Every contender has read the record (and holds its shared lock) before any of them
     # tries to take it over: the overlap a loaded machine produces by chance.
-    all_read = threading.Barrier(CONTENDERS, timeout=20)
+    all_read = threading.Barrier(CONTENDERS, timeout=60)
     take_over = RecordStore._take_over_or_report
 
     def after_everyone_read(self: RecordStore, *args: Any, **kwargs: Any) -> Any:
@@ -51,7 +51,7 @@ def test_concurrent_takeovers_of_a_stale_lease_give_one_winner(
 
     monkeypatch.setattr(RecordStore, "_take_over_or_report", after_everyone_read)
 
-    all_tried = threading.Barrier(CONTENDERS, timeout=20)
+    all_tried = threading.Barrier(CONTENDERS, timeout=60)
 
     def contend() -> bool:
         with transaction.atomic():
@@ -72,7 +72,7 @@ def test_concurrent_takeovers_of_a_stale_lease_give_one_winner(
 
     threads = [in_thread(contend) for _ in range(CONTENDERS)]
     for thread, _ in threads:
-        thread.join(30)
+        thread.join(150)  # past both barriers' guards
     outcomes = [outcome.get("result", outcome.get("error")) for _, outcome in threads]
 
     assert outcomes.count(True) == 1, outcomes
