@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.db import connection, transaction
 
 from django_idempotency.events import celery_steps
@@ -177,8 +178,6 @@ def test_eagerly_a_duplicate_runs_no_link_callback() -> None:
 def at_repeatable_read() -> Iterator[None]:
     """``effect_result`` runs its deliveries (and its takeover) on the ``repeatable_read`` alias:
     the test database at REPEATABLE READ (testproject/settings.py)."""
-    if connection.vendor == "sqlite":
-        pytest.skip("SQLite has no isolation level to choose")
     saved = effect_result.database
     effect_result.database = "repeatable_read"
     try:
@@ -187,6 +186,9 @@ def at_repeatable_read() -> Iterator[None]:
         effect_result.database = saved
 
 
+@pytest.mark.skipif(
+    "repeatable_read" not in settings.DATABASES, reason="SQLite has no isolation level to choose"
+)
 @pytest.mark.django_db(transaction=True, databases=["default", "repeatable_read"])
 def test_at_repeatable_read_the_takeover_sends_each_step_once(at_repeatable_read: None) -> None:
     callback = dict(follow_up.s(tag=":link"))
