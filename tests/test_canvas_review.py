@@ -102,6 +102,19 @@ def test_a_callback_holding_a_nul_is_left_to_celery_on_postgresql() -> None:
     assert ran.callbacks == [nul]
 
 
+def test_a_chain_step_holding_a_lone_surrogate_is_left_to_celery() -> None:
+    """A JSON message may carry ``"\\ud800"``, which decodes to a lone surrogate: Celery's
+    worker publishes it again as such, PostgreSQL's and MariaDB's JSON columns refuse it."""
+    if connection.vendor == "sqlite":
+        pytest.skip("SQLite stores a lone surrogate")
+    step = dict(follow_up.s("a\ud800b", tag=":surrogate").set(task_id="step-surrogate"))
+
+    ran = deliver("evt-surrogate", callbacks=None, chain=[step])
+
+    assert ProcessedEvent.objects.filter(event_id="evt-surrogate").exists()
+    assert ran.chain == [step]
+
+
 def test_a_result_the_outbox_refuses_still_fails_the_delivery() -> None:
     """The takeover's rule stays for the result: a result the outbox cannot store fails the
     delivery (its callbacks are not left to Celery, which would publish it for ever more)."""
