@@ -101,7 +101,7 @@ class IdempotentConsumerMixin(TaskBase):
     * the body raises :class:`~celery.exceptions.Ignore` (``self.replace()`` does): Celery acks
       the message and never redelivers it, so the transaction **commits** (the reservation and
       the body's writes) and ``Ignore`` is raised after the commit. A duplicate delivery is then
-      skipped, so ``replace()`` publishes its replacement once;
+      skipped. ``replace()`` publishes before the commit (a failed one: twice), not via the outbox;
     * delivered more than ``max_deliveries`` times without completing (a message that kills its
       worker): parked, rejected without requeue, logged at ERROR,
       :data:`~django_idempotency.signals.event_parked` sent;
@@ -121,8 +121,9 @@ class IdempotentConsumerMixin(TaskBase):
       publishes each callback and the chain's next task, with the body's result, through the
       outbox (``outbox_transport``) in the effect's transaction, so they leave if and only if
       the effect commits; a duplicate publishes none. Celery's worker publishes none of them
-      itself. A result the outbox cannot store (not kombu's JSON) fails the delivery, rolled
-      back. ``link_error`` errbacks stay Celery's: they run when a delivery fails for good.
+      itself, but a group or chord, or a callback the outbox refuses for its own arguments or
+      options. A result the outbox cannot store (not kombu's JSON) fails the delivery, rolled
+      back. ``link_error`` errbacks stay Celery's. Eagerly, a duplicate runs no callback.
 
     Inside the body, ``self.request.event_id`` holds the event id, wherever the message carried
     it.
@@ -304,8 +305,8 @@ class IdempotentConsumerMixin(TaskBase):
                     self._publish_held(held, event_id)
                     raise
                 self._publish_held(held, event_id)  # self.retry(throw=False), then committed
-                if from_broker:  # applied (and published them) or a duplicate: none from Celery
-                    celery_steps.clear(request)
+                if from_broker or not outcome.applied:  # eagerly: Celery runs the applied's
+                    celery_steps.clear(request, self)
         except EventParked as exc:
             if not from_broker:
                 raise
