@@ -29,9 +29,10 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 SSL_REQUEST = 80877103
 GSSENC_REQUEST = 80877104
@@ -347,6 +348,42 @@ class MySqlProxy(PgProxy):
             pass
         finally:
             self._close(link)
+
+
+@contextmanager
+def proxy_for(settings: Mapping[str, Any]) -> Iterator[PgProxy]:
+    """A proxy in front of the server of ``settings`` (a ``DATABASES`` entry): a
+    :class:`PgProxy` for PostgreSQL, a :class:`MySqlProxy` for MariaDB or MySQL."""
+    mysql = "mysql" in settings["ENGINE"]
+    port = int(settings["PORT"] or (3306 if mysql else 5432))
+    target = (settings["HOST"] or "127.0.0.1", port)
+    proxy = MySqlProxy(target) if mysql else PgProxy(target)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@contextmanager
+def repointed(alias: str, port: int, **options: Any) -> Iterator[None]:
+    """Inside the block, every thread's new connection to ``alias`` goes to
+    ``127.0.0.1:port`` (a proxy, or a port nobody listens on), with ``options`` added to its
+    ``OPTIONS``. Afterwards the settings are restored, so that the test database's flush
+    reaches the real server; this thread's connection is closed on the way in and out."""
+    from django.db import connections
+
+    settings = connections[alias].settings_dict
+    saved = dict(settings)
+    connections[alias].close()
+    settings.update(
+        HOST="127.0.0.1", PORT=port, OPTIONS={**settings.get("OPTIONS", {}), **options}
+    )
+    try:
+        yield
+    finally:
+        connections[alias].close()
+        settings.clear()
+        settings.update(saved)
 
 
 @contextmanager
