@@ -71,7 +71,8 @@ class KafkaTransport:
     def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
         self.check_options(config, timeout)
         self.timeout = float(timeout)
-        """Seconds librdkafka tries a message (``message.timeout.ms``)."""
+        """Seconds librdkafka tries a message at most (``message.timeout.ms``, which ``config``
+        may set shorter)."""
         self.wait = self.timeout + REPORT_MARGIN
         """Seconds one flush waits for the acknowledgements of a batch; never less than
         :attr:`timeout`."""
@@ -134,9 +135,10 @@ class KafkaTransport:
         failed, and the relay would send it a second time. A producer already built with a
         longer timeout is flushed and closed; the next send builds a new one.
 
-        Against a silent broker the first round of a batch fails every key in it, so no later
-        round is produced: the whole batch fails within :attr:`wait`. A broker that answers,
-        slowly, may take one :attr:`wait` per round (per message of the most frequent key).
+        A broker that cannot be reached, or stops answering, fails the keys of the round that
+        meets it, and no later message of a failed key is produced: the batch fails within one
+        :attr:`wait`, or two if the broker stopped in the middle of a round. A broker that answers, slowly, may take one :attr:`wait`
+        per round (per message of the batch's most frequent key).
         An optional transport method: the relay calls it before each batch; the same lease
         again changes nothing, and a longer one never loosens the bound.
         """
