@@ -50,9 +50,11 @@ URLS = {"raised": "/probe/lease/?raise=1", "5xx": "/probe/lease/?status=500"}
 @pytest.fixture
 def proxy() -> Iterator[PgProxy]:
     """``other`` through a proxy that cuts what a test asks it to."""
-    with proxy_for(connections["other"].settings_dict) as running:
-        with repointed("other", running.port):
-            yield running
+    with (
+        proxy_for(connections["other"].settings_dict) as running,
+        repointed("other", running.port),
+    ):
+        yield running
 
 
 def record(key: str) -> IdempotencyRecord | None:
@@ -132,8 +134,8 @@ def refused_release() -> Iterator[None]:
     with connections["other"].cursor() as cursor:
         if connection.vendor == "postgresql":
             cursor.execute(
-                "CREATE OR REPLACE FUNCTION lr_refuse_delete() RETURNS trigger LANGUAGE plpgsql AS "
-                "$$ BEGIN RAISE EXCEPTION 'no release here'; END $$"
+                "CREATE OR REPLACE FUNCTION lr_refuse_delete() RETURNS trigger "
+                "LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'no release here'; END $$"
             )
             cursor.execute(
                 f"CREATE TRIGGER lr_refuse BEFORE DELETE ON {table} "

@@ -137,8 +137,9 @@ class KafkaTransport:
 
         A broker that cannot be reached, or stops answering, fails the keys of the round that
         meets it, and no later message of a failed key is produced: the batch fails within one
-        :attr:`wait`, or two if the broker stopped in the middle of a round. A broker that answers, slowly, may take one :attr:`wait`
-        per round (per message of the batch's most frequent key).
+        :attr:`wait`, or two if the broker stopped in the middle of a round. A broker that
+        answers, slowly, may take one :attr:`wait` per round (per message of the batch's most
+        frequent key).
         An optional transport method: the relay calls it before each batch; the same lease
         again changes nothing, and a longer one never loosens the bound.
         """
