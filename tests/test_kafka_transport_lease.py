@@ -29,6 +29,7 @@ from django_idempotency.models import OutboxEntry
 from django_idempotency.outbox import core as outbox
 from django_idempotency.outbox.relay import BatchResult, Relay
 from tests.kafka_mock import MockCluster, mock_cluster
+from tests.outbox_helpers import NULL_TRANSPORTS
 
 NOWHERE = {"bootstrap.servers": "127.0.0.1:1", "log_level": 0}
 
@@ -132,9 +133,8 @@ def test_a_relay_with_a_short_lease_fails_a_batch_kafka_never_got_before_another
     entry = {"BACKEND": "django_idempotency.kafka.transport.KafkaTransport"}
     kafka_down.down()
     transports = [KafkaTransport(config), KafkaTransport(config)]
-    with override_settings(
-        IDEMPOTENCY={"OUTBOX_TRANSPORTS": {"kafka": {**entry, "OPTIONS": {"config": config}}}}
-    ):
+    kafka = {**entry, "OPTIONS": {"config": config}}
+    with override_settings(IDEMPOTENCY={"OUTBOX_TRANSPORTS": {**NULL_TRANSPORTS, "kafka": kafka}}):
         with transaction.atomic():
             first = outbox.send(topic, {"n": 1}, key="order-1", transport="kafka")
         results: list[tuple[int, BatchResult]] = []
