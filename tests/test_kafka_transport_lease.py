@@ -159,7 +159,9 @@ def test_a_relay_with_a_short_lease_fails_a_batch_kafka_never_got_before_another
             for thread in threads:
                 thread.start()
             deadline = time.monotonic() + WAIT
-            while not OutboxEntry.objects.get(event_id=first).last_error:
+            # Until the failed attempt is recorded, or another relay claimed the message again.
+            while not (row := OutboxEntry.objects.get(event_id=first)).last_error:
+                assert row.attempts < 2, "the batch outlived its lease: another relay took it"
                 assert time.monotonic() < deadline and not errors, errors
                 time.sleep(0.1)
         finally:
