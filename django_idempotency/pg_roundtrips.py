@@ -489,7 +489,7 @@ def _results(pgconn: Any, timeout: float | None = None) -> list[Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     while pgconn.flush():
         _wait(pgconn.socket, writable=True, deadline=deadline)
-    results = []
+    results: list[Any] = []
     while True:
         # Before every result, not only the first: a query of several statements answers with
         # several results, and the next may not have arrived when one is taken. get_result()
