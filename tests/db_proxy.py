@@ -94,6 +94,9 @@ class PgProxy:
         self.faults: Counter[str] = Counter()
         """Faults injected so far, by kind: cut_before, cut_after, reset, refused, black_hole."""
         self.connections = 0
+        self.pace = 0.0
+        """Seconds to wait after forwarding each result's end (``CommandComplete``) to the
+        client, as a slow network would between the results of a query of several statements."""
         self._rules: list[Rule] = []
         self._links: list[_Link] = []
         self._lock = threading.Lock()
@@ -291,6 +294,8 @@ class PgProxy:
                         return
                     continue
                 link.client.sendall(head + body)
+                if self.pace and head[:1] == b"C":
+                    time.sleep(self.pace)
         except OSError:
             pass
         finally:
