@@ -489,15 +489,21 @@ def _results(pgconn: Any, timeout: float | None = None) -> list[Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     while pgconn.flush():
         _wait(pgconn.socket, writable=True, deadline=deadline)
+    results: list[Any] = []
     while True:
-        pgconn.consume_input()
-        if not pgconn.is_busy():
-            break
-        _wait(pgconn.socket, writable=False, deadline=deadline)
-    results = []
-    while (result := pgconn.get_result()) is not None:
+        # Before every result, not only the first: a query of several statements answers with
+        # several results, and the next may not have arrived when one is taken. get_result()
+        # on a busy connection blocks in libpq, holding the GIL, so no other thread of the
+        # process runs until the network delivers (a proxy in the same process never could).
+        while True:
+            pgconn.consume_input()
+            if not pgconn.is_busy():
+                break
+            _wait(pgconn.socket, writable=False, deadline=deadline)
+        result = pgconn.get_result()
+        if result is None:
+            return results
         results.append(result)
-    return results
 
 
 def _wait(fd: int, *, writable: bool, deadline: float | None = None) -> None:

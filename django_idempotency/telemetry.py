@@ -112,7 +112,9 @@ HISTOGRAMS: dict[str, tuple[str, str]] = {
 }
 
 # The library's own outcome words (logged by the HTTP core) mapped to the request outcomes of
-# the metric. "taken_over" is not an outcome (the request goes on), so it is not counted.
+# the metric. "taken_over" is not an outcome (the request goes on), so it is not counted; nor
+# is "release_failed" (a lease claim's release that lost the database: the request has an
+# outcome of its own, "raised" or "rolled_back").
 HTTP_OUTCOMES = {
     "stored": "first_execution",
     "stored_not_replayable": "first_execution",

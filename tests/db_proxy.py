@@ -29,9 +29,10 @@ import struct
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 SSL_REQUEST = 80877103
 GSSENC_REQUEST = 80877104
@@ -107,6 +108,9 @@ class PgProxy:
         self.faults: Counter[str] = Counter()
         """Faults injected so far, by kind: cut_before, cut_after, reset, refused, black_hole."""
         self.connections = 0
+        self.pace = 0.0
+        """Seconds to wait after forwarding each result's end (``CommandComplete``) to the
+        client, as a slow network would between the results of a query of several statements."""
         self._rules: list[Rule] = []
         self._links: list[_Link] = []
         self._lock = threading.Lock()
@@ -307,6 +311,8 @@ class PgProxy:
                         return
                     continue
                 link.client.sendall(head + body)
+                if self.pace and head[:1] == b"C":
+                    time.sleep(self.pace)
         except OSError:
             pass
         finally:
@@ -356,6 +362,42 @@ class MySqlProxy(PgProxy):
             pass
         finally:
             self._close(link)
+
+
+@contextmanager
+def proxy_for(settings: Mapping[str, Any]) -> Iterator[PgProxy]:
+    """A proxy in front of the server of ``settings`` (a ``DATABASES`` entry): a
+    :class:`PgProxy` for PostgreSQL, a :class:`MySqlProxy` for MariaDB or MySQL."""
+    mysql = "mysql" in settings["ENGINE"]
+    port = int(settings["PORT"] or (3306 if mysql else 5432))
+    target = (settings["HOST"] or "127.0.0.1", port)
+    proxy = MySqlProxy(target) if mysql else PgProxy(target)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@contextmanager
+def repointed(alias: str, port: int, **options: Any) -> Iterator[None]:
+    """Inside the block, every thread's new connection to ``alias`` goes to
+    ``127.0.0.1:port`` (a proxy, or a port nobody listens on), with ``options`` added to its
+    ``OPTIONS``. Afterwards the settings are restored, so that the test database's flush
+    reaches the real server; this thread's connection is closed on the way in and out."""
+    from django.db import connections
+
+    settings = connections[alias].settings_dict
+    saved = dict(settings)
+    connections[alias].close()
+    settings.update(
+        HOST="127.0.0.1", PORT=port, OPTIONS={**settings.get("OPTIONS", {}), **options}
+    )
+    try:
+        yield
+    finally:
+        connections[alias].close()
+        settings.clear()
+        settings.update(saved)
 
 
 @contextmanager

@@ -70,6 +70,8 @@ def _library() -> ctypes.CDLL:
             None,
         ),
         "rd_kafka_mock_clear_request_errors": ([pointer, ctypes.c_int16], None),
+        "rd_kafka_mock_broker_set_down": ([pointer, ctypes.c_int32], ctypes.c_int),
+        "rd_kafka_mock_broker_set_up": ([pointer, ctypes.c_int32], ctypes.c_int),
     }  # fmt: skip
     for name, (arguments, result) in signatures.items():
         if name in OPTIONAL and not hasattr(lib, name):
@@ -104,6 +106,7 @@ class MockCluster:
             lib.rd_kafka_destroy(self._client)
             raise RuntimeError("rd_kafka_mock_cluster_new failed")
         self.bootstrap: str = lib.rd_kafka_mock_cluster_bootstraps(self._cluster).decode()
+        self.brokers = brokers
         self.sets_rebalance_delay = hasattr(lib, "rd_kafka_mock_group_initial_rebalance_delay_ms")
         if self.sets_rebalance_delay:
             self.rebalance_delay(0)
@@ -130,6 +133,20 @@ class MockCluster:
         self._lib.rd_kafka_mock_push_request_errors_array(
             self._cluster, api_key, len(errors), codes
         )
+
+    def down(self) -> None:
+        """Every broker drops its connections and takes no new ones, as hosts that cannot be
+        reached; :meth:`up` brings them back."""
+        for broker in range(1, self.brokers + 1):
+            code = self._lib.rd_kafka_mock_broker_set_down(self._cluster, broker)
+            if code:
+                raise RuntimeError(f"rd_kafka_mock_broker_set_down({broker}): error {code}")
+
+    def up(self) -> None:
+        for broker in range(1, self.brokers + 1):
+            code = self._lib.rd_kafka_mock_broker_set_up(self._cluster, broker)
+            if code:
+                raise RuntimeError(f"rd_kafka_mock_broker_set_up({broker}): error {code}")
 
     def clear(self, api_key: int) -> None:
         """Forget the refusals of ``api_key`` not yet answered."""

@@ -25,6 +25,7 @@ from django.db import connection, connections
 from django.test import Client, override_settings
 
 from django_idempotency.models import IdempotencyRecord
+from tests.db_proxy import repointed
 from tests.lock_waits import session_of, wait_until_blocked
 from tests.probes import effects, post
 
@@ -56,21 +57,8 @@ def closed_port() -> int:
 def down() -> Iterator[str]:
     """The alias ``other``, pointed at a port of the test server's host that nobody listens on
     (and restored afterwards, so that the test database's flush reaches it)."""
-    alias = "other"
-    settings_dict = connections[alias].settings_dict
-    saved = dict(settings_dict)
-    connections[alias].close()
-    settings_dict.update(
-        HOST="127.0.0.1",
-        PORT=closed_port(),
-        OPTIONS={**settings_dict["OPTIONS"], "connect_timeout": 2},
-    )
-    try:
-        yield alias
-    finally:
-        connections[alias].close()
-        settings_dict.clear()
-        settings_dict.update(saved)
+    with repointed("other", closed_port(), connect_timeout=2):
+        yield "other"
 
 
 @pytest.fixture

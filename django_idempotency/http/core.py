@@ -337,16 +337,7 @@ class Idempotency:
             cause = busy or "another transaction's lock stayed in the way"
         else:
             cause = describe(exc)
-            connection = connections[self.policy.using]
-            if connection.in_atomic_block:
-                # The caller's transaction (ATOMIC_REQUESTS) must roll back, not fail its COMMIT
-                # (a 500 after this 503); its failed ROLLBACK drops the connection.
-                connection.needs_rollback = True
-            else:
-                # Drop the dead connection now (MySQLdb's rollback does not notice it is
-                # gone), so the next query on this thread opens a new one instead of failing
-                # with "server has gone away".
-                connection.close()
+            self._drop_lost_connection()
         self._log(
             command, "unavailable", level=logging.WARNING, database=self.policy.using, cause=cause
         )
@@ -367,6 +358,20 @@ class Idempotency:
             "key after the delay in the Retry-After header.",
             retry_after=self.policy.retry_after,
         ) from exc
+
+    def _drop_lost_connection(self) -> None:
+        """The connection to :attr:`Policy.using` was lost: leave it so that the next query on
+        this thread (this request's, or the next request's) opens a new one."""
+        connection = connections[self.policy.using]
+        if connection.in_atomic_block:
+            # The caller's transaction (ATOMIC_REQUESTS) must roll back, not fail its COMMIT
+            # (a 500 after this 503); its failed ROLLBACK drops the connection.
+            connection.needs_rollback = True
+        else:
+            # Drop the dead connection now (MySQLdb's rollback does not notice it is
+            # gone), so the next query on this thread opens a new one instead of failing
+            # with "server has gone away".
+            connection.close()
 
     @contextmanager
     def request_transaction(self, command: Command) -> Iterator[None]:
@@ -523,12 +528,37 @@ class Idempotency:
         self._log(command, "raised", record=claim.record_id, level=logging.WARNING)
 
     def _release_quietly(self, command: Command, claim: _Claim) -> None:
-        """Release a lease-mode claim in its own transaction; a lost claim is only logged."""
+        """Release a lease-mode claim in its own transaction, once the view's transaction has
+        rolled back (the view raised, or answered ``5xx``).
+
+        The request's answer is decided already (the view's response, or its exception), so
+        the release never replaces it. A claim a retry took over is only logged (``stale``).
+        A database that cannot be reached (:meth:`RecordStore.unreachable`) is logged too, as
+        one WARNING line (``release_failed``) with the traceback at DEBUG: the record stays
+        ``in_progress`` under its lease, a retry gets ``409`` until the lease runs out and then
+        takes the record over and runs the view, as after a crash. Any other database error
+        (a statement failing on a live connection) is raised.
+        """
         try:
             with transaction.atomic(using=self.policy.using):
                 self.store.release(claim.record_id, claim.token, deferred=claim.deferred)
         except StaleClaim:
             self._log(command, "stale", record=claim.record_id, level=logging.WARNING)
+        except DatabaseError as exc:
+            if not self.store.unreachable(exc):
+                raise
+            self._drop_lost_connection()
+            lease = self.policy.lease
+            self._log(
+                command,
+                "release_failed",
+                level=logging.WARNING,
+                record=claim.record_id,
+                database=self.policy.using,
+                lease=f"{lease.total_seconds():g}s" if lease else None,
+                cause=describe(exc),
+            )
+            logger.debug("idempotency: the release's database error", exc_info=exc)
 
     # -- reporting ----------------------------------------------------------------------------
 

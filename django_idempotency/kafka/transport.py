@@ -33,6 +33,10 @@ __all__ = ["KafkaTransport"]
 
 MESSAGE_TIMEOUT_KEYS = ("message.timeout.ms", "delivery.timeout.ms")
 """librdkafka's names of how long it tries a message (``delivery.timeout.ms`` is an alias)."""
+REPORT_MARGIN = 5.0
+"""Seconds a flush waits beyond ``message.timeout.ms``: librdkafka looks for messages that timed
+out about once a second, and reports each then. Under :meth:`KafkaTransport.limit_to_lease`,
+at most half the flush's wait."""
 
 
 class KafkaTransport:
@@ -53,21 +57,33 @@ class KafkaTransport:
 
     :param config: librdkafka producer properties; ``bootstrap.servers`` at least. The
         idempotence and ``acks`` cannot be weakened.
-    :param timeout: seconds to wait for the acknowledgements of one batch; librdkafka gives up on
-        a message after this long too (``message.timeout.ms``), so none is sent later. A
-        ``config`` whose ``message.timeout.ms`` (or its alias ``delivery.timeout.ms``) is longer,
-        or 0 (no limit), is refused: librdkafka would go on trying a message after the transport
-        reported it failed, deliver it later, and the relay's next attempt would write it twice.
+    :param timeout: seconds librdkafka tries a message (``message.timeout.ms``) before it
+        gives up on it and reports it failed; a flush waits for the acknowledgements of a batch
+        this long plus :data:`REPORT_MARGIN` (:attr:`wait`), so every message has its report,
+        and none is sent after the transport reported it failed. A ``config`` whose
+        ``message.timeout.ms`` (or its alias ``delivery.timeout.ms``) is longer, or 0 (no limit),
+        is refused: librdkafka would go on trying a message after the transport reported it
+        failed, deliver it later, and the relay's next attempt would write it twice.
+
+    A relay calls :meth:`limit_to_lease` with its lease, which may lower both waits.
     """
 
     def __init__(self, config: Mapping[str, Any], timeout: float = 30.0) -> None:
         self.check_options(config, timeout)
         self.timeout = float(timeout)
+        """Seconds librdkafka tries a message at most (``message.timeout.ms``, which ``config``
+        may set shorter)."""
+        self.wait = self.timeout + REPORT_MARGIN
+        """Seconds one flush waits for the acknowledgements of a batch; never less than
+        :attr:`timeout`."""
+        given = [_millis(config[key]) for key in MESSAGE_TIMEOUT_KEYS if key in config]
         self.config = {
             "partitioner": "murmur2_random",
-            # librdkafka's bounds: 0 would be no limit at all; 2**31 - 1 is its largest.
-            "message.timeout.ms": max(1, min(int(self.timeout * 1000), 2**31 - 1)),
-            **config,
+            **{key: value for key, value in config.items() if key not in MESSAGE_TIMEOUT_KEYS},
+            # One name for it (the shortest of the two the config gave): librdkafka's alias
+            # would otherwise make the last one in the dict win. 0 would be no limit at all;
+            # 2**31 - 1 is librdkafka's largest.
+            "message.timeout.ms": min(given or [max(1, min(int(self.timeout * 1000), 2**31 - 1))]),
             "enable.idempotence": True,
             "acks": "all",
         }
@@ -103,6 +119,44 @@ class KafkaTransport:
 
     producer_factory: ClassVar[Callable[[dict[str, Any]], Producer]] = Producer
     """Builds the producer from the configuration (a test may give one of its own)."""
+
+    def limit_to_lease(self, lease: float) -> None:
+        """Keep the wait of one flush, and librdkafka's ``message.timeout.ms``, within a
+        quarter of the relay's ``lease`` (seconds).
+
+        Without it a silent or unreachable broker held a batch for ``timeout`` plus
+        :data:`REPORT_MARGIN` seconds (35 by default): with a shorter lease another relay took
+        the batch over and sent it too. With it, the flush waits at most ``lease / 4``
+        (:attr:`wait`), and librdkafka gives up on a message earlier still (:attr:`timeout`),
+        leaving the flush a margin (:data:`REPORT_MARGIN`, at most half its wait) to hear
+        librdkafka's own report. A ``config`` with a longer ``message.timeout.ms`` (or
+        ``delivery.timeout.ms``) is lowered to that, not kept: a message librdkafka still
+        tried after the flush gave up on it would be delivered after the transport reported it
+        failed, and the relay would send it a second time. A producer already built with a
+        longer timeout is flushed and closed; the next send builds a new one.
+
+        A broker that cannot be reached, or stops answering, fails the keys of the round that
+        meets it, and no later message of a failed key is produced: the batch fails within one
+        :attr:`wait`, or two if the broker stopped in the middle of a round. A broker that
+        answers, slowly, may take one :attr:`wait` per round (per message of the batch's most
+        frequent key).
+        An optional transport method: the relay calls it before each batch; the same lease
+        again changes nothing, and a longer one never loosens the bound.
+        """
+        if isinstance(lease, bool) or not (isinstance(lease, (int, float)) and lease > 0):
+            raise ValueError(f"lease must be a positive number of seconds, not {lease!r}.")
+        limit = float(lease) / 4
+        if self.wait <= limit:
+            return
+        self.wait = limit
+        self.timeout = min(self.timeout, limit - min(REPORT_MARGIN, limit / 2))
+        millis = max(1, int(self.timeout * 1000))
+        if millis < self.config["message.timeout.ms"]:
+            self.config["message.timeout.ms"] = millis
+            self.close()  # the next send builds a producer with the new message.timeout.ms
+        # librdkafka's timeout is whole milliseconds, at least 1: a lease of a few milliseconds
+        # still never lets the flush give up before librdkafka does.
+        self.wait = max(self.wait, self.config["message.timeout.ms"] / 1000)
 
     def validate_message(self, destination: str, payload: Any, headers: dict[str, str]) -> None:
         """Refuse a message Kafka can never take (called when it is written).
@@ -149,11 +203,11 @@ class KafkaTransport:
                     results[index] = exc
                 else:
                     sent.append(index)
-            producer.flush(self.timeout + 5)
+            producer.flush(self.wait)
             for index in sent:
                 if index not in reports:
                     results[index] = TimeoutError(
-                        f"no acknowledgement from Kafka within {self.timeout}s"
+                        f"no acknowledgement from Kafka within {self.wait:g}s"
                     )
                 elif reports[index] is not None:
                     error = reports[index]
@@ -174,7 +228,7 @@ class KafkaTransport:
     def close(self) -> None:
         producer, self._producer = self._producer, None
         if producer is not None:
-            producer.flush(self.timeout)
+            producer.flush(self.wait)
 
 
 def _check_message_timeout(key: str, raw: Any, timeout: float) -> None:
@@ -195,6 +249,12 @@ def _check_message_timeout(key: str, raw: Any, timeout: float) -> None:
         f"had sent it again (a duplicate on the topic). Remove {key!r} (it defaults to the "
         f"timeout), or raise the transport's OPTIONS['timeout'] (seconds) instead."
     )
+
+
+def _millis(raw: Any) -> int:
+    """A ``message.timeout.ms`` that :func:`_check_message_timeout` let through, as librdkafka's
+    whole milliseconds (at least 1: 0 is no limit)."""
+    return max(1, int(float(raw)))
 
 
 def _value(payload: Any) -> bytes:
