@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ from celery import Celery
 from celery.result import AsyncResult
 from django.db import connection
 from kombu import Exchange, Queue
+from kombu.exceptions import ChannelError
 
 from tests.conftest import require_service
 from tests.services import BROKER_URLS
@@ -106,6 +108,38 @@ class WorkerGroup:
 
     def logs(self) -> str:
         return "\n".join(f"--- {w.name} ---\n{w.output()[-6000:]}" for w in self.workers)
+
+    def held(self) -> dict[str, int]:
+        """What the group still has to run: the messages waiting in its queue, and per worker
+        the tasks it runs, has reserved, or holds until their ETA (a retry's countdown). A
+        worker that does not answer counts as holding one."""
+        assert self.publisher is not None
+        names = [f"{worker.name}@{socket.gethostname()}" for worker in self.workers]
+        with self.publisher.connection_for_write() as connection:
+            try:
+                waiting = connection.default_channel.queue_declare(self.queue, passive=True)
+            except ChannelError:  # Redis: an empty queue is no key at all
+                counts = {"queue": 0}
+            else:
+                counts = {"queue": waiting.message_count}
+        inspect = self.publisher.control.inspect(destination=names, timeout=2.0)
+        for kind in ("active", "reserved", "scheduled"):
+            replies = getattr(inspect, kind)() or {}
+            for name in names:
+                counts[f"{name} {kind}"] = len(replies[name]) if name in replies else 1
+        return counts
+
+    def drain(self, timeout: float = 180.0) -> None:
+        """Wait until the group has nothing left to run (see :meth:`held`). A module-scoped
+        group otherwise carries an earlier test's late retries into the next test, whose
+        flushed tables no longer hold that event's processed row: the retry would apply it
+        there as a new event. The bound is a guard against a hang: a retry's countdown is up
+        to a minute (the consumer's backoff cap)."""
+        deadline = time.monotonic() + timeout
+        while any((counts := self.held()).values()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the workers still hold {counts}:\n{self.logs()}")
+            time.sleep(0.5)
 
 
 def new_queue_name(label: str) -> str:
