@@ -26,6 +26,7 @@ import pytest
 from django.db import OperationalError, connections, transaction
 from django.test import Client, override_settings
 
+from django_idempotency.http import store
 from django_idempotency.models import IdempotencyRecord
 from tests.lock_waits import session_of, wait_until_blocked
 from tests.probes import effects
@@ -90,7 +91,20 @@ def ended(future: Future[Reply]) -> BaseException | None:
     return AssertionError(f"answered {reply.status} {reply.body[:300]!r} at once")
 
 
+@pytest.fixture
+def long_lock_wait(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The claim's brief waits on a lock (TAKEOVER_LOCK_WAIT, 1 s, twice) last 60 s here: on a
+    loaded CI machine the test's look at INNODB_TRX once came after both waits had ended (the
+    claim answered 503, the "lock stayed" answer), so it never saw the claim wait. What is shown
+    is that the claim waits on the lock and then runs, not how long it waits."""
+    monkeypatch.setattr(store, "TAKEOVER_LOCK_WAIT", 60)
+    store._STATEMENTS.clear()  # built with the wait written in
+    yield
+    store._STATEMENTS.clear()
+
+
 @pytest.mark.parametrize("using", ["default", "repeatable_read"])
+@pytest.mark.usefixtures("long_lock_wait")
 def test_a_gap_lock_of_another_transaction_is_waited_out_not_answered_409(using: str) -> None:
     key = f"gap-m-{uuid.uuid4()}"
     with override_settings(IDEMPOTENCY={"DATABASE": using}), gap_lock("gap-a", "gap-z"):
