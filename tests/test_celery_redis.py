@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -69,6 +70,25 @@ def written(client: Any, queue: str) -> dict[bytes, list[dict[str, Any]]]:
     return lists
 
 
+@contextmanager
+def counting_copies() -> Iterator[list[int]]:
+    """Count the messages :meth:`RedisBatch.copy` makes as copies while the block runs, in
+    the one-item list it yields."""
+    copies = [0]
+    real_copy = celery_redis.RedisBatch.copy
+
+    def counted(self: celery_redis.RedisBatch, *args: Any, **kwargs: Any) -> bool:
+        made = real_copy(self, *args, **kwargs)
+        copies[0] += made
+        return made
+
+    celery_redis.RedisBatch.copy = counted  # type: ignore[method-assign]
+    try:
+        yield copies
+    finally:
+        celery_redis.RedisBatch.copy = real_copy  # type: ignore[method-assign]
+
+
 def both_ways(
     client: Any, app: Any, queue: str, messages: list[OutboxMessage]
 ) -> tuple[dict[bytes, list[dict[str, Any]]], dict[bytes, list[dict[str, Any]]], int]:
@@ -80,23 +100,13 @@ def both_ways(
     finally:
         kombu.close()
     by_kombu = written(client, queue)
-    copies = 0
-    real_copy = celery_redis.RedisBatch.copy
-
-    def counted(self: celery_redis.RedisBatch, *args: Any, **kwargs: Any) -> bool:
-        nonlocal copies
-        made = real_copy(self, *args, **kwargs)
-        copies += made
-        return made
-
     ours = CeleryTransport(app=app)
-    celery_redis.RedisBatch.copy = counted  # type: ignore[method-assign]
     try:
-        assert ours.send(messages) == [None] * len(messages)
+        with counting_copies() as copies:
+            assert ours.send(messages) == [None] * len(messages)
     finally:
-        celery_redis.RedisBatch.copy = real_copy  # type: ignore[method-assign]
         ours.close()
-    return by_kombu, written(client, queue), copies
+    return by_kombu, written(client, queue), copies[0]
 
 
 # --- Generated messages ------------------------------------------------------------------------
@@ -204,7 +214,7 @@ def test_a_batch_of_one_kind_is_one_message_built_and_copies(
 
 
 def test_every_message_a_batch_writes_has_a_delivery_tag_of_its_own(
-    redis_client: Any, queue: str, monkeypatch: pytest.MonkeyPatch
+    redis_client: Any, queue: str
 ) -> None:
     """Issue 35 item 21: kombu keeps a worker's unacknowledged Redis messages by delivery tag
     (the ``unacked`` hash it restores when a worker dies): two messages sharing a tag are one
@@ -212,27 +222,18 @@ def test_every_message_a_batch_writes_has_a_delivery_tag_of_its_own(
     copies of one message (one kind), messages Celery builds one by one (an expiry) and another
     kind (another priority's list): every entry written has its own tag, the copies' too."""
     app = celery_app(URL)
-    copies = 0
-    real_copy = celery_redis.RedisBatch.copy
-
-    def counted(self: celery_redis.RedisBatch, *args: Any, **kwargs: Any) -> bool:
-        nonlocal copies
-        made = real_copy(self, *args, **kwargs)
-        copies += made
-        return made
-
-    monkeypatch.setattr(celery_redis.RedisBatch, "copy", counted)
     transport = CeleryTransport(app=app)
     sent = 0
     try:
-        for _ in range(2):
-            messages = [
-                *(message(queue, n, key=f"k{n % 3}", priority=4) for n in range(12)),
-                *(message(queue, 12 + n, expires=600) for n in range(3)),
-                *(message(queue, 15 + n, key="k0") for n in range(3)),
-            ]
-            assert transport.send(messages) == [None] * len(messages)
-            sent += len(messages)
+        with counting_copies() as copies:
+            for _ in range(2):
+                messages = [
+                    *(message(queue, n, key=f"k{n % 3}", priority=4) for n in range(12)),
+                    *(message(queue, 12 + n, expires=600) for n in range(3)),
+                    *(message(queue, 15 + n, key="k0") for n in range(3)),
+                ]
+                assert transport.send(messages) == [None] * len(messages)
+                sent += len(messages)
     finally:
         transport.close()
 
@@ -242,7 +243,7 @@ def test_every_message_a_batch_writes_has_a_delivery_tag_of_its_own(
         if redis_client.type(key) == b"list"
         for raw in redis_client.lrange(key, 0, -1)
     ]
-    assert copies == 2 * (11 + 2)  # per batch: 11 of the first kind, 2 of the third
+    assert copies[0] == 2 * (11 + 2)  # per batch: 11 of the first kind, 2 of the third
     assert len(tags) == sent
     assert len(set(tags)) == sent, sorted(tags)
 

@@ -62,6 +62,21 @@ def gap_lock(low: str, high: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def uncommitted_record(owner: str, key: str) -> Iterator[None]:
+    """Hold an in-progress record of ``(owner, key)``, inserted by another transaction and not
+    committed, until the block ends (a request of that key that runs now)."""
+    alias = "repeatable_read"
+    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
+            "response_headers, created_at, expires_at) VALUES (%s, %s, 'f', 'POST', "
+            "'/', 'in_progress', %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+            [owner, key, uuid.uuid4().hex],
+        )
+        yield
+
+
 def claim_in_thread(key: str, using: str) -> tuple[Future[Reply], int]:
     """Send ``key`` from a thread; returns its answer's future and its server session."""
     sessions: list[int] = []
@@ -137,14 +152,7 @@ def test_the_same_key_held_by_another_transaction_is_still_409() -> None:
     """The look after a 1205 tells the cases apart: this key's own uncommitted record is a
     request in progress, answered 409 at once."""
     key = f"held-{uuid.uuid4()}"
-    alias = "repeatable_read"
-    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
-            "response_headers, created_at, expires_at) VALUES ('anonymous', %s, 'f', 'POST', "
-            "'/', 'in_progress', %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
-            [key, uuid.uuid4().hex],
-        )
+    with uncommitted_record("anonymous", key):
         reply = send(key)
     assert reply.status == 409, reply.body
     assert json.loads(reply.body)["type"].endswith("#in-progress")
@@ -155,14 +163,7 @@ def test_another_owners_uncommitted_record_of_the_same_key_is_not_409() -> None:
     """The unique index is (owner, key): a second principal's request with the same key runs,
     while the first principal's record of it is still uncommitted."""
     key = f"shared-{uuid.uuid4()}"
-    alias = "repeatable_read"
-    with transaction.atomic(using=alias), connections[alias].cursor() as cursor:
-        cursor.execute(
-            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
-            "response_headers, created_at, expires_at) VALUES ('user:35', %s, 'f', 'POST', "
-            "'/', 'in_progress', %s, '{}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
-            [key, uuid.uuid4().hex],
-        )
+    with uncommitted_record("user:35", key):
         reply = send(key)  # anonymous
     assert reply.status == 201, reply.body
     assert effects(key=key) == 1
