@@ -300,12 +300,14 @@ def test_without_time_zone_support_delays_work_the_same(relay: Any) -> None:
     available_at; an eta (aware) is stored as Django stores a datetime then."""
     relay, held, _ = relay
     with override_settings(USE_TZ=False):
-        counted, _ = commit(destination="counted", countdown=0.3)
+        # 5 s, not a fraction: on a loaded CI lane (nice 19) 0.3 s once passed before the first
+        # drain, which then sent both.
+        counted, began = commit(destination="counted", countdown=5)
         moment, _ = commit(destination="moment", eta=timezone.now().astimezone(UTC))
         assert row(counted).due_at is not None and row(moment).due_at is not None
         relay.drain()
         assert held.order == ["moment"]
-        time.sleep(0.4)
+        time.sleep(max(0.0, began + 5.1 - time.time()))
         relay.drain()
     assert held.order == ["moment", "counted"]
 
