@@ -94,14 +94,15 @@ def commit(**kwargs: Any) -> tuple[str, float]:
 def test_a_countdown_counts_from_the_commit_not_from_the_call(relay: Any) -> None:
     relay, held, _ = relay
     with transaction.atomic():
-        event_id = outbox.send("reminder", {}, countdown=1)
-        time.sleep(1.2)  # a long transaction: due 1 s after its COMMIT, not after the call
+        # 4 s, not 1: the relay's first look must come before the due time on a loaded CI lane
+        event_id = outbox.send("reminder", {}, countdown=4)
+        time.sleep(4.2)  # a long transaction: due 4 s after its COMMIT, not after the call
         before = time.time()
     after = time.time()
 
     entry = row(event_id)
     assert entry.due_at is not None
-    assert before + 1 <= entry.due_at.timestamp() <= after + 1
+    assert before + 4 <= entry.due_at.timestamp() <= after + 4
     assert entry.available_at == entry.due_at  # held by the relay until then
     assert relay.run_once().claimed == 0
     while time.time() < entry.due_at.timestamp():
@@ -162,7 +163,7 @@ def test_a_held_message_holds_back_its_key_and_no_other(relay: Any) -> None:
     the key waits, the other key goes at once."""
     relay, held, _ = relay
     with transaction.atomic():
-        outbox.send("k-first", {}, key="k", countdown=1)
+        outbox.send("k-first", {}, key="k", countdown=4)  # held past the first drain, loaded
         outbox.send("k-second", {}, key="k")  # due at once, behind the held one
         outbox.send("k-third", {}, key="k", eta=timezone.now() - timedelta(seconds=5))
         outbox.send("j-other", {}, key="j")
@@ -170,7 +171,7 @@ def test_a_held_message_holds_back_its_key_and_no_other(relay: Any) -> None:
 
     relay.drain()
     assert sorted(held.order) == ["j-other", "no-key"]
-    time.sleep(1.1)
+    time.sleep(4.1)
     relay.drain()
     assert held.order[2:] == ["k-first", "k-second", "k-third"]
 
