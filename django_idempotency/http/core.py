@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.core.exceptions import ImproperlyConfigured
@@ -499,26 +499,70 @@ class Idempotency:
                     raise
             if lost:
                 self._unavailable(command, exc, saving=True)
+            if self.store.conflicted(exc):
+                self._rolled_back_by_database(command, exc, claim)
             raise
         except BaseException:
             claim.atomic.__exit__(*sys.exc_info())
             raise
-        self._commit(command, claim.atomic)
+        self._commit(command, claim.atomic, claim)
         if release_after:
             self._release_quietly(command, claim)
         self._log(command, outcome, record=claim.record_id, status=captured.status)
         if outcome.startswith("stored"):
             signals.record_stored.send(IdempotencyRecord, **self._signal_kwargs(command))
 
-    def _commit(self, command: Command, atomic: Any) -> None:
+    def _commit(self, command: Command, atomic: Any, claim: _Claim | None = None) -> None:
         """Leave the view's transaction (its COMMIT, or a savepoint's release under
-        ``ATOMIC_REQUESTS``); a lost database there is a 503, not the driver's error."""
+        ``ATOMIC_REQUESTS``); a lost database there is a 503, not the driver's error, and so is
+        a COMMIT the database refused (a serialization failure), which rolled it all back.
+        ``claim`` is the request's claim, None for the request's own transaction."""
         try:
             atomic.__exit__(None, None, None)
         except DatabaseError as exc:
             if self.store.unreachable(exc):
                 self._unavailable(command, exc, saving=True)
+            if self.store.conflicted(exc):
+                self._rolled_back_by_database(command, exc, claim)
             raise
+
+    def _rolled_back_by_database(
+        self, command: Command, exc: Exception, claim: _Claim | None
+    ) -> NoReturn:
+        """The view ran, but storing its response (or the COMMIT) failed on a live connection
+        because of another transaction (:meth:`RecordStore.conflicted`: a deadlock's victim, a
+        serialization failure, a lock wait that ran out), and the view's transaction, already
+        left, rolled back with the claim: nothing of the request took effect. Raise
+        :class:`DatabaseUnavailable` (503, ``Retry-After``), not the driver's error (a 500): a
+        retry with the same key runs the request again. A lease-mode claim, committed on its
+        own, is released first, so that retry runs at once instead of meeting ``409`` until the
+        lease runs out.
+
+        One WARNING line (``unavailable``) names the cause; the traceback goes to DEBUG.
+        """
+        if claim is not None and self.policy.lease is not None:
+            self._release_quietly(command, claim)
+        connection = connections[self.policy.using]
+        if connection.in_atomic_block:
+            # ATOMIC_REQUESTS: the caller's transaction must roll back too (MariaDB's deadlock
+            # victim lost it all already), not fail at its COMMIT with a 500 after this 503.
+            connection.needs_rollback = True
+        self._log(
+            command,
+            "unavailable",
+            level=logging.WARNING,
+            record=claim.record_id if claim is not None else None,
+            database=self.policy.using,
+            cause=describe(exc),
+        )
+        logger.debug("idempotency: the stored response's database error", exc_info=exc)
+        raise DatabaseUnavailable(
+            "The database rolled this request back to settle a conflict with another "
+            "transaction (a deadlock, a serialization failure or a lock wait that ran out), so "
+            "nothing of it took effect. Retry with the same idempotency key after the delay in "
+            "the Retry-After header.",
+            retry_after=self.policy.retry_after,
+        ) from exc
 
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         """The view (or capturing its response) raised: roll back, and free a lease claim."""

@@ -481,6 +481,24 @@ class RecordStore:
         """
         return connection_lost(self.connection, exc)
 
+    def conflicted(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says that the database undid this transaction's work because of
+        another transaction, on a live connection: a deadlock's victim (MariaDB 1213,
+        PostgreSQL ``40P01``), a serialization failure (``40001``), a lock that was not granted
+        in time (MariaDB 1205, PostgreSQL ``55P03``). The transaction must roll back, and
+        nothing of it takes effect: a retry may run it again. (On SQLite the claim holds the
+        database's write lock already, so storing the response meets no other writer.)
+        """
+        if not isinstance(exc, OperationalError):
+            return False
+        vendor = self.connection.vendor
+        if vendor == "postgresql":
+            return _sqlstate(exc) in (SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE)
+        if vendor == "mysql":
+            args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
+            return bool(args) and args[0] in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
+        return False
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _token(self, token: uuid.UUID) -> uuid.UUID | str:
@@ -523,6 +541,8 @@ COMPLETE_POSTGRESQL = "SELECT django_idempotency_complete_v1(%s, %s, %s, %s::jso
 the record."""
 NO_DATA_FOUND = "P0002"
 SERIALIZATION_FAILURE = "40001"
+DEADLOCK_DETECTED = "40P01"
+LOCK_NOT_AVAILABLE = "55P03"
 
 
 def _sqlstate(exc: DatabaseError) -> str | None:
@@ -590,12 +610,23 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
         raise NotSupportedError(
             f"django-idempotency supports PostgreSQL, MariaDB/MySQL and SQLite, not {vendor!r}."
         )
+    # MariaDB: the record is found by its primary key, always. Left to choose, the optimizer
+    # once read ``state = 'in_progress'`` from idem_record_state_idx instead (a fresh table's
+    # statistics): that read locks every other request's in-progress entry, so two requests
+    # storing their responses at once deadlocked (1213, CI run of issue 35's fresh-key load).
+    by_id = f"{t} FORCE INDEX (PRIMARY)" if vendor == "mysql" else t
     complete = (
-        f"UPDATE {t} SET state = '{COMPLETED}', locked_until = NULL, response_status = %s, "
+        f"UPDATE {by_id} SET state = '{COMPLETED}', locked_until = NULL, response_status = %s, "
         f"response_headers = {headers}, response_body = %s, completed_at = {now} "
         f"WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
     )
-    release = f"DELETE FROM {t} WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
+    # (MariaDB takes index hints in a DELETE only in its multi-table form.)
+    release = (
+        f"DELETE r FROM {t} AS r FORCE INDEX (PRIMARY) WHERE r.id = %s AND r.token = %s "
+        f"AND r.state = '{IN_PROGRESS}'"
+        if vendor == "mysql"
+        else f"DELETE FROM {t} WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
+    )
     if vendor == "postgresql":
         return _Statements(complete, release)
     # MariaDB: never wait on another transaction's row lock (see the module docstring).
