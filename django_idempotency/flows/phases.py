@@ -414,6 +414,17 @@ class _FlowCore(Idempotency):
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
         telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")
 
+    def _free(self, claim: _Claim) -> None:
+        flow = self.flow
+        if flow is not None and flow.recorded:
+            # Phases committed (the database rolled back only the response's store, a deadlock's
+            # victim, http.core's _rolled_back_by_database): deleting the record would strand
+            # its run, and the retry, a new record, would run those phases again. Keep the
+            # recovery point and give up the lease, so a retry (or the completer) resumes.
+            flow._pause("the database rolled back storing the response", count=False)
+            return
+        super()._free(claim)
+
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         flow = self.flow
         error = exc_info[1]

@@ -573,25 +573,28 @@ class Idempotency:
 
     def _release_quietly(self, command: Command, claim: _Claim) -> None:
         """Release a lease-mode claim in its own transaction, once the view's transaction has
-        rolled back (the view raised, or answered ``5xx``).
+        rolled back (the view raised, or answered ``5xx``, or the database rolled it back).
 
         The request's answer is decided already (the view's response, or its exception), so
         the release never replaces it. A claim a retry took over is only logged (``stale``).
-        A database that cannot be reached (:meth:`RecordStore.unreachable`) is logged too, as
-        one WARNING line (``release_failed``) with the traceback at DEBUG: the record stays
-        ``in_progress`` under its lease, a retry gets ``409`` until the lease runs out and then
-        takes the record over and runs the view, as after a crash. Any other database error
-        (a statement failing on a live connection) is raised.
+        A database that cannot be reached (:meth:`RecordStore.unreachable`), or a release that
+        loses a conflict with another transaction (:meth:`RecordStore.conflicted`: a lock wait
+        that ran out, a deadlock, which a 503 for that very conflict met again), is logged
+        too, as one WARNING line (``release_failed``) with the traceback at DEBUG: the record
+        stays ``in_progress`` under its lease, a retry gets ``409`` until the lease runs out
+        and then takes the record over and runs the view, as after a crash. Any other database
+        error (a statement failing on a live connection) is raised.
         """
         try:
-            with transaction.atomic(using=self.policy.using):
-                self.store.release(claim.record_id, claim.token, deferred=claim.deferred)
+            self._free(claim)
         except StaleClaim:
             self._log(command, "stale", record=claim.record_id, level=logging.WARNING)
         except DatabaseError as exc:
-            if not self.store.unreachable(exc):
+            lost = self.store.unreachable(exc)
+            if not lost and not self.store.conflicted(exc):
                 raise
-            self._drop_lost_connection()
+            if lost:
+                self._drop_lost_connection()
             lease = self.policy.lease
             self._log(
                 command,
@@ -603,6 +606,13 @@ class Idempotency:
                 cause=describe(exc),
             )
             logger.debug("idempotency: the release's database error", exc_info=exc)
+
+    def _free(self, claim: _Claim) -> None:
+        """Free a lease-mode claim whose request will not store a response (for
+        :meth:`_release_quietly`): delete its record, in a transaction of its own, if its token
+        still holds it (else :class:`StaleClaim`)."""
+        with transaction.atomic(using=self.policy.using):
+            self.store.release(claim.record_id, claim.token, deferred=claim.deferred)
 
     # -- reporting ----------------------------------------------------------------------------
 

@@ -1,0 +1,228 @@
+"""Two holes in the ``503`` for a request the database rolled back while its response was stored
+(``tests/test_http_store_conflicts.py``), found in review:
+
+* A phased flow (``@idempotent(phases=True)``) whose phases had committed lost its record: the
+  lease claim was released (deleted) like a plain lease-mode claim, its run was stranded, and
+  the retry, a new record, ran the committed phases again. It now keeps the record and its
+  recovery point and gives up the lease, as a pause does: the retry resumes.
+* The release of a lease-mode claim after that ``503`` met the same conflict again (the other
+  transaction still held the record's row: a lock wait that ran out, MariaDB 1205, PostgreSQL
+  ``55P03``), and the driver's error replaced the ``503`` with a ``500``. It is now one
+  ``release_failed`` WARNING line, as for a release that lost the database: the claim stays
+  under its lease.
+
+Real connections and threads; each interleaving is set up with a neighbour transaction on its
+own connection, and every wait is on a lock the test can see (``tests/lock_waits.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.db import DatabaseError, connection, connections, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.test import RequestFactory
+
+from django_idempotency import idempotent
+from django_idempotency.flows.phases import Flow
+from django_idempotency.models import FlowRun, IdempotencyRecord
+from testproject.shop.models import Effect
+from tests.lock_waits import session_of, wait_until_blocked
+from tests.probes import effects
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.mysql,
+    pytest.mark.django_db(transaction=True, databases=["default", "repeatable_read"]),
+]
+
+NEIGHBOUR = "repeatable_read"
+TABLE = IdempotencyRecord._meta.db_table
+RUNS = FlowRun._meta.db_table
+
+
+class Paused:
+    """A view (built by the test) that does its work, says so with its connection's session,
+    and waits for :meth:`go` before it answers ``201``."""
+
+    def __init__(self) -> None:
+        self.inside = threading.Event()
+        self.released = threading.Event()
+        self.session: int | None = None
+
+    def reached(self) -> None:
+        self.session = session_of()
+        self.inside.set()
+        assert self.released.wait(60), "the test never let the view answer"
+
+    def send(self, view: Any, key: str, before: str | None = None) -> Future[Any]:
+        """Run ``view`` in a thread of its own (``before``: a statement for its connection,
+        in autocommit, first); the future holds the response, or the exception raised."""
+
+        def run() -> Any:
+            try:
+                if before is not None:
+                    with connection.cursor() as cursor:
+                        cursor.execute(before)
+                request = RequestFactory().post(
+                    "/review/", b"{}", content_type="application/json",
+                    headers={"Idempotency-Key": key},
+                )  # fmt: skip
+                return view(request)
+            except DatabaseError as exc:  # the test asserts on it: the 500 of the library's
+                return exc
+            finally:
+                self.inside.set()
+                connections.close_all()
+
+        future = ThreadPoolExecutor(1).submit(run)
+        assert self.inside.wait(60), future.result(1)
+        return future
+
+    def go(self) -> None:
+        self.released.set()
+
+
+FLOW = Paused()
+
+
+@idempotent(phases=True, lease=timedelta(seconds=60), name="review_store_paused")
+def paused_flow(request: HttpRequest, flow: Flow) -> HttpResponse:
+    key = request.headers["Idempotency-Key"]
+    one = flow.phase("one", lambda: Effect.objects.create(name="review-flow-one", payload=key))
+    if connection.vendor == "postgresql":
+        # The request, which waits first, must be the one to find the deadlock; the neighbour
+        # looks after 60 s. (A margin for the neighbour to start waiting, never asserted.)
+        with connection.cursor() as cursor:
+            cursor.execute("SET deadlock_timeout = '5s'")
+    FLOW.reached()
+    return JsonResponse({"one": one.pk}, status=201)
+
+
+def heavy(cursor: Any) -> None:
+    """MariaDB: make the neighbour's transaction the heavier one, so that InnoDB rolls the
+    request back, not it."""
+    for n in range(30):
+        cursor.execute(
+            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
+            "response_headers, created_at, expires_at) VALUES ('user:heavy', %s, 'f', "
+            "'POST', '/', 'completed', %s, '{}', UTC_TIMESTAMP(6), "
+            "UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+            [f"heavy-{uuid.uuid4()}-{n}", uuid.uuid4().hex],
+        )
+
+
+def test_a_flow_whose_phases_committed_keeps_its_record_after_a_deadlock_at_store(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store's transaction updates the run (``COMPLETED``), then the record; the neighbour
+    holds the record's row and then waits on the run's: a deadlock, and the request is its
+    victim. The answer is ``503``; the record and the run stay, and the retry resumes after
+    phase ``one`` instead of running it again."""
+    key = f"review-flow-{uuid.uuid4()}"
+    FLOW.inside.clear()
+    FLOW.released.clear()
+    future = FLOW.send(paused_flow, key)
+    record = IdempotencyRecord.objects.get(key=key).pk
+    run = FlowRun.objects.get(record_id=record).pk
+    assert FLOW.session is not None
+    with (
+        caplog.at_level(logging.INFO, logger="django_idempotency"),
+        ThreadPoolExecutor(1) as pool,
+        transaction.atomic(using=NEIGHBOUR),
+        connections[NEIGHBOUR].cursor() as cursor,
+    ):
+        if connection.vendor == "mysql":
+            heavy(cursor)
+        else:
+            cursor.execute("SET LOCAL deadlock_timeout = '60s'")
+        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", [record])
+        cursor.fetchall()
+        raw = connections[NEIGHBOUR].connection  # used by one thread at a time
+        FLOW.go()
+        wait_until_blocked(FLOW.session, "the response's store, on the record's row")
+
+        def wait_on_the_run() -> None:
+            with raw.cursor() as raw_cursor:
+                raw_cursor.execute(f"SELECT id FROM {RUNS} WHERE id = %s FOR UPDATE", [run])
+                raw_cursor.fetchall()
+
+        pool.submit(wait_on_the_run).result(60)  # granted once the request rolled back
+        transaction.set_rollback(True, using=NEIGHBOUR)
+    response = future.result(60)
+    assert isinstance(response, HttpResponse), response
+    assert response.status_code == 503, response.content
+    assert response["Retry-After"] == "1"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("idempotency unavailable" in w and key in w for w in warnings), warnings
+    kept = IdempotencyRecord.objects.get(key=key)
+    assert kept.pk == record and kept.state == "in_progress", "the record was released"
+    stored_run = FlowRun.objects.get(pk=run)
+    assert (stored_run.record_id, stored_run.recovery_point) == (record, "one")
+    assert stored_run.state == FlowRun.State.RUNNING
+
+    FLOW.inside.clear()
+    FLOW.released.set()
+    retry = FLOW.send(paused_flow, key).result(60)
+    assert isinstance(retry, HttpResponse), retry
+    assert retry.status_code == 201, retry.content
+    assert effects("review-flow-one", key) == 1, "the retry ran a committed phase again"
+    assert json.loads(retry.content)["one"] == Effect.objects.get(payload=key).pk
+    assert IdempotencyRecord.objects.get(key=key).state == "completed"
+
+
+LEASED = Paused()
+
+
+@idempotent(atomic=False, lease=60)
+def leased_view(request: HttpRequest) -> HttpResponse:
+    Effect.objects.create(name="review-leased", payload=request.headers["Idempotency-Key"])
+    if connection.vendor == "mysql":  # a session variable: the rollback does not undo it
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+    LEASED.reached()
+    return JsonResponse({}, status=201)
+
+
+def test_a_release_that_meets_the_same_lock_keeps_the_503(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Lease mode; the neighbour holds the committed claim's row for the whole request. Storing
+    the response runs out of lock wait (MariaDB 1205; PostgreSQL ``55P03``, a project's
+    ``lock_timeout``): ``503``. The release then waits on the same row and runs out too: one
+    ``release_failed`` line, the claim stays under its lease, and the answer is still the
+    ``503``, not the driver's error."""
+    key = f"review-leased-{uuid.uuid4()}"
+    LEASED.inside.clear()
+    LEASED.released.clear()
+    # PostgreSQL: set in autocommit, so that the view's rollback does not undo it.
+    before = "SET lock_timeout = '500ms'" if connection.vendor == "postgresql" else None
+    future = LEASED.send(leased_view, key, before)
+    record = IdempotencyRecord.objects.get(key=key).pk
+    with (
+        caplog.at_level(logging.INFO, logger="django_idempotency"),
+        transaction.atomic(using=NEIGHBOUR),
+        connections[NEIGHBOUR].cursor() as cursor,
+    ):
+        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", [record])
+        cursor.fetchall()
+        LEASED.go()
+        response = future.result(60)
+        transaction.set_rollback(True, using=NEIGHBOUR)
+    assert isinstance(response, HttpResponse), f"a 500: {response!r}"
+    assert response.status_code == 503, response.content
+    assert response["Content-Type"] == "application/problem+json"
+    assert "rolled this request back" in json.loads(response.content)["detail"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    [failed] = [w for w in warnings if "idempotency release_failed" in w]
+    assert key in failed and f"record={record}" in failed, failed
+    assert any("idempotency unavailable" in w and key in w for w in warnings), warnings
+    assert effects("review-leased", key) == 0
+    assert IdempotencyRecord.objects.get(key=key).state == "in_progress"  # under its lease
