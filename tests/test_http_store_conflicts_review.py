@@ -226,3 +226,67 @@ def test_a_release_that_meets_the_same_lock_keeps_the_503(
     assert any("idempotency unavailable" in w and key in w for w in warnings), warnings
     assert effects("review-leased", key) == 0
     assert IdempotencyRecord.objects.get(key=key).state == "in_progress"  # under its lease
+
+
+SKEWED = Paused()
+ANCHOR: dict[str, int] = {}
+
+
+def skewed(request: HttpRequest) -> HttpResponse:
+    key = request.headers["Idempotency-Key"]
+    Effect.objects.create(name="review-skewed", payload=key)
+    Effect.objects.filter(pk=ANCHOR["pk"]).exists()  # read: the neighbour then writes it
+    SKEWED.reached()
+    return JsonResponse({}, status=201)
+
+
+skewed_atomic = idempotent(skewed)
+skewed_leased = idempotent(atomic=False, lease=60)(skewed)
+
+
+@pytest.mark.parametrize("lease", [False, True], ids=["atomic", "lease"])
+def test_a_write_skew_at_serializable_is_503_not_a_stale_claim(
+    lease: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PostgreSQL, SERIALIZABLE (the server's or the session's default): the view read a row
+    that a neighbour then wrote, and the neighbour read the key's record and committed first.
+    Storing the response fails with a serialization failure for read/write dependencies
+    (``40001``, "Reason code: ..."), which is not a takeover: it answered ``409`` "a retry took
+    it over", logged ``stale`` at ERROR, and a lease claim stayed held until its lease ran out
+    (every retry ``409``). It is a conflict like a deadlock: ``503``, the claim released, and a
+    retry runs once."""
+    if connection.vendor != "postgresql":
+        pytest.skip("MariaDB has no serialization failure of its own (InnoDB locks instead)")
+    key = f"review-skew-{uuid.uuid4()}"
+    view = skewed_leased if lease else skewed_atomic
+    ANCHOR["pk"] = Effect.objects.create(name="review-anchor").pk
+    SKEWED.inside.clear()
+    SKEWED.released.clear()
+    serializable = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE"
+    future = SKEWED.send(view, key, serializable)
+    with transaction.atomic(using=NEIGHBOUR), connections[NEIGHBOUR].cursor() as cursor:
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        cursor.execute(f"SELECT id FROM {TABLE} WHERE owner = 'anonymous' AND key = %s", [key])
+        cursor.fetchall()
+        cursor.execute(
+            f"UPDATE {Effect._meta.db_table} SET name = 'review-anchor, written' WHERE id = %s",
+            [ANCHOR["pk"]],
+        )
+    with caplog.at_level(logging.INFO, logger="django_idempotency"):
+        SKEWED.go()
+        response = future.result(60)
+    assert isinstance(response, HttpResponse), response
+    assert response.status_code == 503, response.content
+    assert "rolled this request back" in json.loads(response.content)["detail"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    [line] = [w for w in warnings if key in w]
+    assert "idempotency unavailable" in line and "read/write dependencies" in line, line
+    assert effects("review-skewed", key) == 0
+    assert not IdempotencyRecord.objects.filter(key=key).exists(), "the claim was left held"
+
+    SKEWED.inside.clear()
+    SKEWED.released.set()
+    retry = SKEWED.send(view, key, serializable).result(60)
+    assert isinstance(retry, HttpResponse), retry
+    assert retry.status_code == 201, retry.content
+    assert effects("review-skewed", key) == 1

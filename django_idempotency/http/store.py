@@ -429,8 +429,12 @@ class RecordStore:
                 # At REPEATABLE READ or SERIALIZABLE, a takeover (or a purge) that committed
                 # after this transaction's snapshot makes the update fail with a serialization
                 # failure instead of finding the token gone: the claim is lost all the same,
-                # and the view's writes roll back. It answered 500.
-                if _sqlstate(exc) not in (NO_DATA_FOUND, SERIALIZATION_FAILURE):
+                # and the view's writes roll back. It answered 500. (Not SERIALIZABLE's failure
+                # for read/write dependencies: the claim is still this request's, see
+                # _dependencies.)
+                if _sqlstate(exc) not in (NO_DATA_FOUND, SERIALIZATION_FAILURE) or _dependencies(
+                    exc
+                ):
                     raise
             if deferred is not None:
                 raise StaleClaim(
@@ -462,7 +466,7 @@ class RecordStore:
                 )
             except OperationalError as exc:
                 # As in complete(): a takeover after this transaction's snapshot.
-                if _sqlstate(exc) != SERIALIZATION_FAILURE:
+                if _sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
                     raise
                 deleted = 0
             else:
@@ -548,6 +552,20 @@ LOCK_NOT_AVAILABLE = "55P03"
 def _sqlstate(exc: DatabaseError) -> str | None:
     cause = exc.__cause__
     return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
+
+
+def _dependencies(exc: DatabaseError) -> bool:
+    """Whether ``exc``, a serialization failure, is SERIALIZABLE's for read/write dependencies
+    among transactions (a write skew: the statement's rows did not change), not a row this
+    statement writes that changed after the snapshot ("concurrent update", a takeover or a
+    purge). PostgreSQL gives the former, and only it, a detail "Reason code: ...", which it
+    never translates (``errdetail_internal``). The claim is then still this request's: the
+    failure is a conflict (:meth:`RecordStore.conflicted`, a ``503``), not a lost claim
+    (:class:`StaleClaim`, a ``409`` that leaves a lease claim held until its lease runs out).
+    """
+    diag = getattr(exc.__cause__, "diag", None)
+    detail = getattr(diag, "message_detail", None) or ""
+    return detail.startswith("Reason code:")
 
 
 LOCK_STAYED = "another transaction's lock on the records' index (1205) stayed in the way"
