@@ -290,3 +290,58 @@ def test_a_write_skew_at_serializable_is_503_not_a_stale_claim(
     assert isinstance(retry, HttpResponse), retry
     assert retry.status_code == 201, retry.content
     assert effects("review-skewed", key) == 1
+
+
+class Stop(RuntimeError):
+    pass
+
+
+@idempotent(phases=True, lease=timedelta(seconds=60), name="review_store_plans")
+def planned_flow(request: HttpRequest, flow: Flow) -> HttpResponse:
+    key = request.headers["Idempotency-Key"]
+    flow.phase("one", lambda: Effect.objects.create(name="review-plan-one", payload=key))
+    if request.headers.get("X-Stop"):
+        raise Stop("after phase one: the run pauses")
+    flow.phase("two", lambda: Effect.objects.create(name="review-plan-two", payload=key))
+    return JsonResponse({}, status=201)
+
+
+def test_mariadb_a_flows_fence_and_pause_read_the_record_by_its_primary_key() -> None:
+    """The statements that move a phased flow's lease (its fence, in each phase, and its pause)
+    had the shape that storing a response had (``id``, ``token`` and ``state``), and the same
+    plan on a fresh table: ``idem_record_state_idx``, a read that waits on every other
+    request's uncommitted in-progress record. ``EXPLAIN`` of each statement they send names
+    the primary key only."""
+    if connection.vendor != "mysql":
+        pytest.skip("the plan of MariaDB's optimizer")
+    from django.test.utils import CaptureQueriesContext
+
+    key = f"review-plan-{uuid.uuid4()}"
+
+    def send(**headers: str) -> Any:
+        request = RequestFactory().post(
+            "/review/", b"{}", content_type="application/json",
+            headers={"Idempotency-Key": key, **headers},
+        )  # fmt: skip
+        return planned_flow(request)
+
+    with CaptureQueriesContext(connection) as queries:
+        with pytest.raises(Stop):
+            send(**{"X-Stop": "1"})
+        assert send().status_code == 201
+    moves = [
+        q["sql"]
+        for q in queries.captured_queries
+        if q["sql"].lstrip().upper().startswith(("UPDATE", "SET STATEMENT"))
+        and TABLE in q["sql"]
+        and "SET `locked_until`" in q["sql"].replace("SET locked_until", "SET `locked_until`")
+    ]
+    assert len(moves) >= 3, queries.captured_queries  # fences of one and two, the pause
+    with connection.cursor() as cursor:
+        for sql in moves:
+            cursor.execute("EXPLAIN " + sql)
+            columns = [c[0] for c in cursor.description]
+            plans = [dict(zip(columns, row, strict=True)) for row in cursor.fetchall()]
+            assert plans and all(plan["key"] in ("PRIMARY", None) for plan in plans), (sql, plans)
+            assert all(plan["possible_keys"] in ("PRIMARY", None) for plan in plans), (sql, plans)
+    assert effects("review-plan-one", key) == effects("review-plan-two", key) == 1

@@ -53,6 +53,7 @@ import uuid
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial, wraps
 from importlib import import_module
 from typing import Any, TypeVar
@@ -72,7 +73,6 @@ from django.test.client import encode_multipart
 from django.utils import timezone
 
 from django_idempotency import telemetry
-from django_idempotency.clock import DatabaseNow
 from django_idempotency.conf import conf
 from django_idempotency.events.core import try_reserve
 from django_idempotency.exceptions import (
@@ -678,11 +678,9 @@ class Flow:
         lease = self.core.policy.lease
         assert lease is not None
         try:
-            updated = (
-                IdempotencyRecord.objects.using(self._alias)
-                .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
-                .update(locked_until=DatabaseNow() + lease)
-            )
+            # By the record's primary key (MariaDB: FORCE INDEX): read from the state index,
+            # the update waited on every other request's uncommitted in-progress record.
+            updated = self.core.store.extend(self._record_id, self.claim.token, lease)
         except OperationalError as exc:
             # PostgreSQL at REPEATABLE READ or SERIALIZABLE: a takeover committed after the
             # phase's snapshot fails the update (40001) instead of leaving it no row. The claim
@@ -744,11 +742,8 @@ class Flow:
         """Give up the lease at once and keep the recovery point (a run that did not finish)."""
         assert self.claim is not None and self._run_id is not None
         with transaction.atomic(using=self._alias):
-            held = (
-                IdempotencyRecord.objects.using(self._alias)
-                .filter(pk=self._record_id, token=self.claim.token, state=IN_PROGRESS)
-                .update(locked_until=DatabaseNow())
-            )
+            assert self.core is not None
+            held = self.core.store.extend(self._record_id, self.claim.token, timedelta(0))
             if held:
                 FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
                     attempts=F("attempts") + (1 if count else 0),

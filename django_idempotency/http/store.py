@@ -476,6 +476,23 @@ class RecordStore:
                 f"Record {record_id} is no longer held by token {token}; it was not released."
             )
 
+    def extend(self, record_id: int | None, token: uuid.UUID, lease: timedelta) -> int:
+        """Move an ``in_progress`` record's ``locked_until`` to ``lease`` from now (database
+        clock; ``timedelta(0)``: now, the lease given up) while ``token`` holds it; a
+        compare-and-swap for a phased flow's fence and pause. Returns the rows updated, 0 or 1.
+        """
+        vendor = self.connection.vendor
+        until: Any = lease
+        if vendor == "mysql":
+            until = _microseconds(lease)
+        elif vendor == "sqlite":
+            until = _sqlite_modifier(lease)
+        with self.connection.cursor() as cursor:
+            cursor.execute(
+                _statements(self.connection).extend, [until, record_id, self._token(token)]
+            )
+            return int(cursor.rowcount)
+
     # -- an unreachable database -------------------------------------------------------------
 
     def unreachable(self, exc: BaseException) -> bool:
@@ -589,6 +606,7 @@ class _Statements:
 
     complete: str
     release: str
+    extend: str
     insert: str = ""
     insert_waiting: str = ""
     select: str = ""
@@ -645,8 +663,15 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
         if vendor == "mysql"
         else f"DELETE FROM {t} WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
     )
+    # A phased flow's fence and pause (django_idempotency.flows.phases): the lease moves on,
+    # while the token holds the record. By its primary key too, as ``complete``.
+    until = "STATEMENT_TIMESTAMP() + %s" if vendor == "postgresql" else later
+    extend = (
+        f"UPDATE {by_id} SET locked_until = {until} "
+        f"WHERE id = %s AND token = %s AND state = '{IN_PROGRESS}'"
+    )
     if vendor == "postgresql":
-        return _Statements(complete, release)
+        return _Statements(complete, release, extend)
     # MariaDB: never wait on another transaction's row lock (see the module docstring).
     nowait = "SET STATEMENT innodb_lock_wait_timeout=0 FOR " if vendor == "mysql" else ""
     insert = (
@@ -684,6 +709,7 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
     return _Statements(
         complete,
         release,
+        extend,
         insert=insert,
         insert_waiting=insert_waiting,
         select=select,
