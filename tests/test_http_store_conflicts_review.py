@@ -1,5 +1,5 @@
-"""Two holes in the ``503`` for a request the database rolled back while its response was stored
-(``tests/test_http_store_conflicts.py``), found in review:
+"""Holes in the ``503`` for a request the database rolled back while its response was stored
+(``tests/test_http_store_conflicts.py``), and in its neighbours, found in review:
 
 * A phased flow (``@idempotent(phases=True)``) whose phases had committed lost its record: the
   lease claim was released (deleted) like a plain lease-mode claim, its run was stranded, and
@@ -10,6 +10,12 @@
   ``55P03``), and the driver's error replaced the ``503`` with a ``500``. It is now one
   ``release_failed`` WARNING line, as for a release that lost the database: the claim stays
   under its lease.
+* PostgreSQL at ``SERIALIZABLE``: a write skew's serialization failure while the response was
+  stored was taken for a takeover (``409``, the lease claim left held); it is a ``503``.
+* MariaDB: a phased flow's fence and pause had the plan that storing a response had before
+  (``idem_record_state_idx`` on a fresh table); they now name the primary key.
+* A conflict on a phased flow's run as it completes leaked the driver's error and left the
+  thread's connection inside the store's transaction.
 
 Real connections and threads; each interleaving is set up with a neighbour transaction on its
 own connection, and every wait is on a lock the test can see (``tests/lock_waits.py``).
@@ -323,7 +329,7 @@ def test_mariadb_a_flows_fence_and_pause_read_the_record_by_its_primary_key() ->
             "/review/", b"{}", content_type="application/json",
             headers={"Idempotency-Key": key, **headers},
         )  # fmt: skip
-        return planned_flow(request)
+        return planned_flow(request)  # type: ignore[call-arg]  # the wrapper passes the flow
 
     with CaptureQueriesContext(connection) as queries:
         with pytest.raises(Stop):
@@ -345,3 +351,65 @@ def test_mariadb_a_flows_fence_and_pause_read_the_record_by_its_primary_key() ->
             assert plans and all(plan["key"] in ("PRIMARY", None) for plan in plans), (sql, plans)
             assert all(plan["possible_keys"] in ("PRIMARY", None) for plan in plans), (sql, plans)
     assert effects("review-plan-one", key) == effects("review-plan-two", key) == 1
+
+
+STATED = Paused()
+
+
+@idempotent(phases=True, lease=timedelta(seconds=60), name="review_store_state")
+def stated_flow(request: HttpRequest, flow: Flow) -> HttpResponse:
+    key = request.headers["Idempotency-Key"]
+    flow.phase("one", lambda: Effect.objects.create(name="review-state-one", payload=key))
+    if connection.vendor == "mysql":  # a session variable: the rollback does not undo it
+        with connection.cursor() as cursor:
+            cursor.execute("SET SESSION innodb_lock_wait_timeout = 1")
+    STATED.reached()
+    return JsonResponse({}, status=201)
+
+
+def test_a_conflict_on_the_flows_run_when_it_completes_is_503_and_leaves_no_transaction_open(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A phased flow's last transaction marks its run completed, then stores the response. The
+    neighbour holds the run's row: the run's update runs out of lock wait. That update ran
+    outside the store's error handling: the driver's error (a ``500``), and the transaction the
+    store had opened was never left, so every later query on the thread's connection failed
+    ("An error occurred in the current transaction"). Now: ``503``, the transaction left, the
+    run kept for a retry to resume."""
+    key = f"review-state-{uuid.uuid4()}"
+    STATED.inside.clear()
+    STATED.released.clear()
+    after: dict[str, Any] = {}
+
+    def view(request: HttpRequest) -> Any:
+        try:
+            return stated_flow(request)  # type: ignore[call-arg]  # the wrapper passes the flow
+        finally:  # still on the request's thread and connection
+            after["in_atomic_block"] = connection.in_atomic_block
+            try:
+                after["next query"] = Effect.objects.filter(payload=key).count()
+            except DatabaseError as exc:
+                after["next query"] = exc
+
+    before = "SET lock_timeout = '500ms'" if connection.vendor == "postgresql" else None
+    future = STATED.send(view, key, before)
+    record = IdempotencyRecord.objects.get(key=key).pk
+    run = FlowRun.objects.get(record_id=record).pk
+    with (
+        caplog.at_level(logging.INFO, logger="django_idempotency"),
+        transaction.atomic(using=NEIGHBOUR),
+        connections[NEIGHBOUR].cursor() as cursor,
+    ):
+        cursor.execute(f"SELECT id FROM {RUNS} WHERE id = %s FOR UPDATE", [run])
+        cursor.fetchall()
+        STATED.go()
+        response = future.result(60)
+        transaction.set_rollback(True, using=NEIGHBOUR)
+    assert after == {"in_atomic_block": False, "next query": 1}, after
+    assert isinstance(response, HttpResponse), f"a 500: {response!r}"
+    assert response.status_code == 503, response.content
+    assert "rolled this request back" in json.loads(response.content)["detail"]
+    kept = IdempotencyRecord.objects.get(key=key)
+    assert kept.pk == record and kept.state == "in_progress"
+    stored_run = FlowRun.objects.get(pk=run)
+    assert (stored_run.state, stored_run.recovery_point) == (FlowRun.State.RUNNING, "one")

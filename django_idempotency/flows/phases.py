@@ -388,10 +388,16 @@ class _FlowCore(Idempotency):
             self._log(command, "paused", record=claim.record_id, status=captured.status)
             return
         self._fresh_atomic(claim)
+        super()._finish(command, claim, captured)
+
+    def _before_store(self, claim: _Claim) -> None:
+        # In _finish's try: a conflict on the run's row is answered as one on the record's
+        # (503, the run paused). Before _fresh_atomic's block was left open: the thread's
+        # connection stayed in it, and every later query on it failed.
+        flow = self.flow
         if flow is not None and flow.recorded:
             flow._set_state(FlowRun.State.COMPLETED)
             telemetry.flow_run(flow.view.name if flow.view else "", "completed")
-        super()._finish(command, claim, captured)
 
     def _store_failure(self, command: Command, claim: _Claim, captured: Captured) -> None:
         try:

@@ -453,6 +453,7 @@ class Idempotency:
         policy = self.policy
         release_after = False
         try:
+            self._before_store(claim)
             # A view that marked its block for rollback (transaction.set_rollback) without
             # raising gets the same as a server error: nothing of it commits, and the key is free.
             marked = transaction.get_rollback(using=policy.using)
@@ -511,6 +512,10 @@ class Idempotency:
         self._log(command, outcome, record=claim.record_id, status=captured.status)
         if outcome.startswith("stored"):
             signals.record_stored.send(IdempotencyRecord, **self._signal_kwargs(command))
+
+    def _before_store(self, claim: _Claim) -> None:
+        """Writes of a subclass in the view's transaction, before its response is stored (a
+        phased flow's state), whose database errors :meth:`_finish` answers as its own."""
 
     def _commit(self, command: Command, atomic: Any, claim: _Claim | None = None) -> None:
         """Leave the view's transaction (its COMMIT, or a savepoint's release under
