@@ -75,7 +75,9 @@ def test_rotation_beside_first_executions_and_replays() -> None:
                 key = names[index % len(names)]
                 index += 7
                 response = post(mine, URL, key, {"secret": f"secret-{key}", "pad": 200})
-                if response.status_code == 409:  # a batch's row lock (MariaDB, SQLite)
+                # A batch's row lock: SQLite's write lock past its timeout; on MariaDB a lock
+                # held past TAKEOVER_LOCK_WAIT (tests/test_http_mariadb_finished_lock.py).
+                if response.status_code == 409:
                     outcomes["409"] += 1
                     continue
                 outcomes["replayed"] += 1

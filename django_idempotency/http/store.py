@@ -35,6 +35,10 @@ MariaDB / MySQL
     progress", 409); no record at all means the lock was someone else's, and the insert is
     tried again, twice, waiting up to ``TAKEOVER_LOCK_WAIT`` seconds each time. A lock that
     outlasts that is answered 503 (``ClaimResult.busy``), never 409.
+    When the locking read fails with 1205 while the record's latest committed version (a plain
+    read, which never waits) is completed, the lock is another writer's on a finished record
+    (a key rotation's batch, an erasure): the claim is tried again once, waiting up to
+    ``TAKEOVER_LOCK_WAIT`` seconds, and replays what it then reads.
 
     Taking over a stale record is the other statement that waits (up to
     ``TAKEOVER_LOCK_WAIT`` seconds): concurrent contenders all hold a shared lock on the
@@ -229,7 +233,7 @@ class RecordStore:
                 result = self._claim_postgresql(values)
             elif vendor == "mysql":
                 result = self._claim_mysql(values, wait=blocked)
-                blocked = result is BLOCKED
+                blocked = result is BLOCKED or result is FINISHED_LOCKED
                 if blocked:
                     continue
             elif vendor == "sqlite":
@@ -241,6 +245,10 @@ class RecordStore:
                 )
             if result is not None:
                 return result
+        if result is FINISHED_LOCKED:
+            # MariaDB: the key's finished record stayed locked by another writer, and the
+            # attempts in between found no record: answered "in progress", as before the wait.
+            return ClaimResult(None, None)
         if blocked:
             # MariaDB: no record, and the insert met another transaction's lock three times,
             # the last two after waiting TAKEOVER_LOCK_WAIT seconds each: the database is too
@@ -320,6 +328,8 @@ class RecordStore:
                 self._after_mysql_lock_error(code)
                 if code == ER_LOCK_DEADLOCK:  # rolled back before it could look: not this key's
                     return ClaimResult(None, None, busy=True, cause=deadlock(exc))
+                if not wait and self._finished_mysql(cursor, v):
+                    return FINISHED_LOCKED
                 return ClaimResult(None, None)
             row = cursor.fetchone()
         if row is None:
@@ -327,6 +337,20 @@ class RecordStore:
             # record went away between the insert and the read (purged, released).
             return BLOCKED if locked else None
         return self._take_over_or_report(v, self._existing(row))
+
+    def _finished_mysql(self, cursor: Any, v: ClaimValues) -> bool:
+        """MariaDB, after the locking read of the key's record met a lock (1205): whether the
+        record's latest committed version (a plain read, which never waits) is completed.
+
+        Then the lock is another writer's on a finished record (a key rotation's batch, an
+        erasure, a purge, an admin edit), not a request that runs this key: :meth:`claim` tries
+        again, waiting up to ``TAKEOVER_LOCK_WAIT`` seconds for it, and replays what it finds,
+        where it used to answer "in progress". An uncommitted record (a request of this key
+        that runs now, atomic mode) is invisible to the plain read, and a committed one in
+        progress (lease mode) is not completed: both stay "in progress" at once."""
+        cursor.execute(_statements(self.connection).finished, [v.owner, v.key])
+        row = cursor.fetchone()
+        return row is not None and row[0] == COMPLETED
 
     def _after_mysql_lock_error(self, code: int) -> None:
         if code == ER_LOCK_DEADLOCK:
@@ -589,6 +613,10 @@ LOCK_STAYED = "another transaction's lock on the records' index (1205) stayed in
 """The ``cause`` of a claim that met a lock that is not its key's, three times."""
 
 BLOCKED = ClaimResult(None, None, busy=True, cause=LOCK_STAYED)
+
+FINISHED_LOCKED = ClaimResult(None, None)
+"""MariaDB: one claim attempt met a lock on the key's record, whose latest committed version is
+completed (:meth:`RecordStore._finished_mysql`): another writer's lock, waited for next."""
 """MariaDB: one claim attempt met another transaction's lock, and the key has no record."""
 
 
@@ -611,6 +639,7 @@ class _Statements:
     insert_waiting: str = ""
     select: str = ""
     take_over: str = ""
+    finished: str = ""
 
 
 _STATEMENTS: dict[str, _Statements] = {}
@@ -714,6 +743,8 @@ def _build_statements(connection: BaseDatabaseWrapper) -> _Statements:
         insert_waiting=insert_waiting,
         select=select,
         take_over=take_over,
+        # A plain read (no lock, never waits): the latest committed version of the key's record.
+        finished=f"SELECT state FROM {t} WHERE owner = %s AND {k} = %s",
     )
 
 
