@@ -564,8 +564,9 @@ class Idempotency:
         raise DatabaseUnavailable(
             "The database rolled this request back to settle a conflict with another "
             "transaction (a deadlock, a serialization failure or a lock wait that ran out), so "
-            "nothing of it took effect. Retry with the same idempotency key after the delay in "
-            "the Retry-After header.",
+            "its result was not saved. Retry with the same idempotency key after the delay in "
+            "the Retry-After header: the request runs again (a phased request resumes after "
+            "its last committed phase).",
             retry_after=self.policy.retry_after,
         ) from exc
 
