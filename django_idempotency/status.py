@@ -80,9 +80,10 @@ def collect(using: str | None = None, limit: int = STATS_COUNT_LIMIT) -> Status:
         "outbox_pending": outbox.filter(state=OutboxEntry.State.PENDING),
         "outbox_parked": outbox.filter(state=OutboxEntry.State.PARKED),
         "deliveries_parked": EventDelivery.objects.using(alias).filter(parked_at__isnull=False),
-        # As the completer picks them (flows.completer.abandoned): running, lease run out.
+        # As the completer picks them (flows.completer.abandoned): running (or failed, its
+        # answer not stored yet), lease run out.
         "flows_abandoned": FlowRun.objects.using(alias).filter(
-            state=FlowRun.State.RUNNING,
+            state__in=[FlowRun.State.RUNNING, FlowRun.State.FAILED],
             record__state=IdempotencyRecord.State.IN_PROGRESS,
             record__locked_until__lte=DatabaseNow(),
         ),

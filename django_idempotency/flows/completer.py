@@ -93,12 +93,15 @@ class Completion:
 
 
 def abandoned(using: str | None = None) -> Any:
-    """Runs still in progress whose record's lease has run out, oldest first."""
+    """Runs still in progress whose record's lease has run out, oldest first. A run marked
+    ``failed`` whose record is still in progress is one too: it was rolled forward to failure
+    and its answer was not stored (the database rolled that back, or the process died), so it
+    is rolled forward again and its failure stored."""
     alias = using or conf.DATABASE
     return (
         FlowRun.objects.using(alias)
         .filter(
-            state=FlowRun.State.RUNNING,
+            state__in=[FlowRun.State.RUNNING, FlowRun.State.FAILED],
             record__state=IdempotencyRecord.State.IN_PROGRESS,
             record__locked_until__lte=DatabaseNow(),
         )
@@ -179,13 +182,18 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         return outcome("replayed", status)
     if _in_progress(response):
         return outcome("busy", status)
-    state = (
+    states = (
         FlowRun.objects.using(run_row._state.db)
         .filter(pk=run_row.pk)
-        .values_list("state", flat=True)
+        .values_list("state", "record__state")
+        .first()
     )
     names = {FlowRun.State.COMPLETED.value: "completed", FlowRun.State.FAILED.value: "failed"}
-    name = names.get(str(state.first()), "paused")
+    name = names.get(str(states[0]), "paused") if states else "paused"
+    if states and states[1] != IdempotencyRecord.State.COMPLETED:
+        # Marked failed, but its answer was not stored (a conflict, a 503): the next pass
+        # rolls it forward again.
+        name = "paused"
     if refusal and name == "failed":
         return outcome("refused", status, refusal)
     return outcome(name, status)

@@ -35,7 +35,9 @@ A flow **rolls forward to failure** when a call marked ``resumable=False`` was i
 outcome is unknown, so it must not run again), or when the completer gives up after
 ``max_attempts`` failed runs: the compensations of the phases that are done run in reverse
 order, each once (reserved with :func:`~django_idempotency.events.core.try_reserve`), and the
-:class:`FlowFailed` problem (502) is stored as the response, replayed to every later retry.
+:class:`FlowFailed` problem (502) is stored as the response, replayed to every later retry. The
+run is marked failed before the compensations: a run whose failure was not stored (a conflict
+with another transaction, a 503) is rolled forward again by the next, never resumed.
 
 Why this module is long: a phase, its recovery point, the lease it renews and the pause that
 ends it are one state machine over one record; splitting them would spread its transitions over
@@ -51,7 +53,8 @@ import json
 import logging
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial, wraps
@@ -62,7 +65,7 @@ from asgiref.sync import iscoroutinefunction
 from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import OperationalError, connections, transaction
+from django.db import DatabaseError, OperationalError, connections, transaction
 from django.db.models import F, Model
 from django.db.transaction import TransactionManagementError
 from django.dispatch import Signal
@@ -76,6 +79,7 @@ from django_idempotency import telemetry
 from django_idempotency.conf import conf
 from django_idempotency.events.core import try_reserve
 from django_idempotency.exceptions import (
+    IdempotencyError,
     ProblemError,
     RequestInProgress,
     ResponseUndecryptable,
@@ -95,7 +99,7 @@ from django_idempotency.http.handler import (
     prepare,
     replay_response,
 )
-from django_idempotency.http.store import SERIALIZATION_FAILURE, _sqlstate
+from django_idempotency.http.store import SERIALIZATION_FAILURE, _dependencies, _sqlstate
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from django_idempotency.protection.core import (
     Undecryptable,
@@ -145,6 +149,20 @@ class FlowFailed(ProblemError):
     status = 502
     slug = "flow-failed"
     title = "The request could not be completed and was undone"
+
+
+class _Conflicted(IdempotencyError):
+    """The database rolled a phase's transaction back at the flow's own statements (its fence,
+    the move of its recovery point) to settle a conflict with another transaction
+    (:meth:`~django_idempotency.http.store.RecordStore.conflicted`: a deadlock's victim, a
+    serialization failure for read/write dependencies, a lock wait that ran out). Not a lost
+    claim: the claim is still this run's. :meth:`_FlowCore._abandon` answers it as the core
+    answers such a conflict while a response is stored (``503`` with ``Retry-After``), the run
+    kept for a retry to resume."""
+
+    def __init__(self, error: DatabaseError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _RollForward(BaseException):
@@ -324,15 +342,18 @@ def run(
         except _RollForward as stop:
             return flow._roll_forward(stop.phase)
         except Exception:
-            if not failing:
+            if not flow.failing:
                 raise
             logger.exception(
                 "flow %s raised while rolling forward to failure", log_text(view.name)
             )
             return flow._roll_forward(None)
-        if failing and flow.recorded and not flow.failed and (refused or core.paused_by(response)):
+        again = refused or flow.unstored_failure or core.paused_by(response)
+        if flow.failing and flow.recorded and not flow.failed and again:
             # Every phase is done, yet the view answers an error once more: pausing again would
-            # rerun it on every pass of the completer, for ever.
+            # rerun it on every pass of the completer, for ever. A run rolled forward before
+            # (flow.unstored_failure) rolls forward whatever the view answers: its compensations
+            # ran, a success must not be stored over them.
             return flow._roll_forward(None)
         return response
 
@@ -400,6 +421,18 @@ class _FlowCore(Idempotency):
             telemetry.flow_run(flow.view.name if flow.view else "", "completed")
 
     def _store_failure(self, command: Command, claim: _Claim, captured: Captured) -> None:
+        """Store the ``flow-failed`` problem and mark the run ``failed``, in one transaction.
+
+        The compensations have run, and the run was marked ``failed`` before them
+        (:meth:`Flow._roll_forward`). A conflict with another transaction here (a deadlock's
+        victim, a serialization failure, a lock wait that ran out) or a lost database rolled
+        this transaction back: it escaped as the driver's error, a ``500``. It is now the
+        core's ``503`` with ``Retry-After`` (:meth:`_rolled_back_by_database`,
+        :meth:`_unavailable`): the record and the run stay, the lease is given up
+        (:meth:`_free`), and the retry, or the completer, finds the run ``failed`` and rolls it
+        forward again: no phase runs, each compensation has run once already (reserved), and
+        the failure is stored then.
+        """
         try:
             with transaction.atomic(using=self.policy.using):
                 assert self.flow is not None
@@ -417,17 +450,24 @@ class _FlowCore(Idempotency):
         except StaleClaim:
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             raise
+        except DatabaseError as exc:
+            if self.store.unreachable(exc):
+                self._unavailable(command, exc, saving=True)
+            if self.store.conflicted(exc):
+                self._rolled_back_by_database(command, exc, claim)
+            raise
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
         telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")
 
     def _free(self, claim: _Claim) -> None:
         flow = self.flow
         if flow is not None and flow.recorded:
-            # Phases committed (the database rolled back only the response's store, a deadlock's
-            # victim, http.core's _rolled_back_by_database): deleting the record would strand
-            # its run, and the retry, a new record, would run those phases again. Keep the
-            # recovery point and give up the lease, so a retry (or the completer) resumes.
-            flow._pause("the database rolled back storing the response", count=False)
+            # Phases committed (the database rolled back only the response's store, or one
+            # phase, a deadlock's victim, http.core's _rolled_back_by_database): deleting the
+            # record would strand its run, and the retry, a new record, would run those phases
+            # again. Keep the recovery point and give up the lease, so a retry (or the
+            # completer) resumes. Not an attempt: the view did not fail.
+            flow._pause("the database rolled the request back (a conflict)", count=False)
             return
         super()._free(claim)
 
@@ -437,6 +477,10 @@ class _FlowCore(Idempotency):
         if isinstance(error, StaleClaim):
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             return
+        if isinstance(error, _Conflicted):
+            # The phase's transaction rolled back, the claim still this run's: 503, the run
+            # kept (or, before its first phase, the claim released), as while storing.
+            self._rolled_back_by_database(command, error.error, claim)
         if flow is not None and flow.recorded:
             flow._pause(error_text(error), count=True)
             self._log(command, "raised", record=claim.record_id, level=logging.WARNING)
@@ -488,6 +532,10 @@ class Flow:
     failing: bool = False
     failed: bool = False
     """True once the flow rolled forward to failure."""
+    unstored_failure: bool = False
+    """True when an earlier run rolled this flow forward to failure (its compensations ran or
+    began) and its ``flow-failed`` answer was not stored (the database rolled that back, or the
+    process died): this run rolls it forward again, whatever the view answers."""
     resumed: bool = False
     """True when an earlier run of this request committed a phase."""
     recovery_point: str = ""
@@ -533,12 +581,19 @@ class Flow:
             with transaction.atomic(using=self._alias):
                 return fn()
         self._check_can_run(name)
-        with transaction.atomic(using=self._alias):
-            value = fn()
-            stored, returned = _encode(name, value)
-            phase_ran.send(sender=Flow, flow=self, phase=name)
-            self._fence()
-            self._save(recovery_point=name, result=(name, stored), started="")
+        ours = False  # past fn: an error now is the fence's, the run's or the COMMIT's
+        try:
+            with transaction.atomic(using=self._alias):
+                value = fn()
+                stored, returned = _encode(name, value)
+                phase_ran.send(sender=Flow, flow=self, phase=name)
+                ours = True
+                self._fence()
+                self._save(recovery_point=name, result=(name, stored), started="")
+        except OperationalError as exc:
+            if ours:
+                self._conflicted(exc)
+            raise
         return self._committed(name, returned, compensate)  # type: ignore[no-any-return]
 
     @telemetry.traced("idempotency.flow.call", argument=1, attribute="idempotency.phase")
@@ -565,14 +620,14 @@ class Flow:
         if self.claim is None:
             return fn(key)
         self._check_can_run(name)
-        with transaction.atomic(using=self._alias):
+        with self._conflicts(), transaction.atomic(using=self._alias):
             self._fence()  # never call out on a lost claim, and give the call a full lease
             if not resumable:
                 self._save(started=name)
         value = fn(key)
         stored, returned = _encode(name, value)
         phase_ran.send(sender=Flow, flow=self, phase=name)
-        with transaction.atomic(using=self._alias):
+        with self._conflicts(), transaction.atomic(using=self._alias):
             self._fence()
             self._save(recovery_point=name, result=(name, stored), started="")
         return self._committed(name, returned, compensate)  # type: ignore[no-any-return]
@@ -619,11 +674,14 @@ class Flow:
         if run is None:
             return
         if (
-            run.state != FlowRun.State.RUNNING
+            run.state == FlowRun.State.COMPLETED
+            or (run.state == FlowRun.State.FAILED and self.claim.replaced)
             or run.fingerprint != self.command.fingerprint
             or run.flow != self.view.name
         ):
-            # Left by an earlier request whose record expired and was taken over as new.
+            # Left by an earlier request whose record expired and was taken over as new. (A
+            # run marked failed whose record never completed is this request's: its failure
+            # was not stored, see _roll_forward.)
             FlowRun.objects.using(self._alias).filter(pk=run.pk).delete()
             return
         self._run_id = run.pk
@@ -645,6 +703,10 @@ class Flow:
         self._started = run.started
         self.recovery_point = run.recovery_point
         self.resumed = True
+        if run.state == FlowRun.State.FAILED:
+            # Rolled forward to failure, its answer not stored: roll forward again. No phase
+            # runs, each compensation ran once already (reserved), and the failure is stored.
+            self.failing = self.unstored_failure = True
         telemetry.flow_run(self.view.name, "resumed")
 
     def _lookup(self, name: str, compensate: Callable[[Any, str], Any] | None) -> _Done | None:
@@ -678,8 +740,30 @@ class Flow:
         phase_committed.send(sender=Flow, flow=self, phase=name)
         return returned
 
+    @contextmanager
+    def _conflicts(self) -> Iterator[None]:
+        """Around the flow's own statements and their transaction's COMMIT (the fence, the
+        run's writes): a conflict with another transaction there raises :class:`_Conflicted`
+        (:meth:`_conflicted`)."""
+        try:
+            yield
+        except OperationalError as exc:
+            self._conflicted(exc)
+            raise
+
+    def _conflicted(self, exc: OperationalError) -> None:
+        """Raise :class:`_Conflicted` (a ``503`` with the run kept, not the driver's error, a
+        ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of a phase, is
+        a conflict with another transaction (:meth:`RecordStore.conflicted
+        <django_idempotency.http.store.RecordStore.conflicted>`). The phase's function is not
+        covered: an error of its writes is the view's, as in lease mode."""
+        assert self.core is not None
+        if self.core.store.conflicted(exc):
+            raise _Conflicted(exc) from exc
+
     def _fence(self) -> None:
-        """Compare-and-swap on the claim's token; extends the lease. Raises StaleClaim."""
+        """Compare-and-swap on the claim's token; extends the lease. Raises StaleClaim, or
+        the driver's error for a conflict (:meth:`_conflicts` makes that a ``503``)."""
         assert self.claim is not None and self.core is not None
         lease = self.core.policy.lease
         assert lease is not None
@@ -690,8 +774,12 @@ class Flow:
         except OperationalError as exc:
             # PostgreSQL at REPEATABLE READ or SERIALIZABLE: a takeover committed after the
             # phase's snapshot fails the update (40001) instead of leaving it no row. The claim
-            # is lost all the same; this answered 500.
-            if _sqlstate(exc) != SERIALIZATION_FAILURE:
+            # is lost all the same; this answered 500. Not SERIALIZABLE's failure for
+            # read/write dependencies (a write skew, _dependencies): the record's row did not
+            # change, the claim is still this run's. That is a conflict (503, the run kept for
+            # a retry to resume), as it is while the response is stored; it answered 409 "a
+            # retry took it over", and the lease stayed held until it ran out.
+            if _sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
                 raise
             updated = 0
         if updated != 1:
@@ -758,13 +846,26 @@ class Flow:
                 )
 
     def _roll_forward(self, interrupted: str | None) -> HttpResponse:
-        """Compensate the phases that are done, newest first, each once; answer FlowFailed."""
+        """Compensate the phases that are done, newest first, each once; answer FlowFailed.
+
+        The run is marked ``failed`` first, in a transaction of its own: if storing the answer
+        is then rolled back (a conflict with another transaction, :meth:`_FlowCore.
+        _store_failure`) or the process dies before it, the next run (the client's retry, or
+        the completer, which looks for such runs too) finds the mark and rolls forward again
+        instead of resuming a flow whose compensations ran. Before, a client's retry of a flow
+        the completer had rolled forward ran its next phases, on top of the undone ones.
+        """
+        if self._run_id is not None and not self.unstored_failure:
+            with self._conflicts(), transaction.atomic(using=self._alias):
+                self._fence()
+                self._set_state(FlowRun.State.FAILED)
         compensated = []
         for done in reversed(self._done):
             if done.compensate is None:
                 continue
             with transaction.atomic(using=self._alias):
-                self._fence()
+                with self._conflicts():
+                    self._fence()
                 if try_reserve(
                     f"{self._run_id}:{done.name}",  # FlowRun ids are never reused
                     COMPENSATION_CONSUMER,

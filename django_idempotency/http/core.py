@@ -151,6 +151,9 @@ class _Claim:
     deferred: ClaimValues | None = None
     """The claim wrote no record (PostgreSQL, atomic mode, a new key): storing the response
     writes it (:attr:`~django_idempotency.http.store.ClaimResult.deferred`)."""
+    replaced: bool = False
+    """The claim took over a record that had completed and whose TTL ran out: the key counts as
+    new, and whatever its earlier request left (a phased flow's run) is not this request's."""
 
 
 class Idempotency:
@@ -312,7 +315,8 @@ class Idempotency:
                 if self.store.unreachable(exc):
                     self._unavailable(command, exc)
                 raise
-        return _Claim(result.record_id, token, atomic, result.deferred)
+        replaced = result.existing is not None and result.existing.completed
+        return _Claim(result.record_id, token, atomic, result.deferred, replaced)
 
     def _unavailable(
         self,
