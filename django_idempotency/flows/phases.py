@@ -451,10 +451,7 @@ class _FlowCore(Idempotency):
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             raise
         except DatabaseError as exc:
-            if self.store.unreachable(exc):
-                self._unavailable(command, exc, saving=True)
-            if self.store.conflicted(exc):
-                self._rolled_back_by_database(command, exc, claim)
+            self._saving_failed(command, exc, claim)
             raise
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
         telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")

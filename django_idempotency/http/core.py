@@ -29,8 +29,9 @@ later, its compare-and-swap fails: its transaction (the view's database writes i
 back and its client gets a 409, so it can never overwrite the new holder's result.
 
 Why this module is long: every outcome of a claim (replay, reuse, wait, take-over, erased,
-undecryptable, database unavailable) is decided here, in one state machine over one record;
-splitting the outcomes over files would hide which of them a request can reach.
+undecryptable, database unavailable, a save the database rolled back) is decided here, in one
+state machine over one record; splitting the outcomes over files would hide which of them a
+request can reach.
 """
 
 from __future__ import annotations
@@ -529,11 +530,18 @@ class Idempotency:
         try:
             atomic.__exit__(None, None, None)
         except DatabaseError as exc:
-            if self.store.unreachable(exc):
-                self._unavailable(command, exc, saving=True)
-            if self.store.conflicted(exc):
-                self._rolled_back_by_database(command, exc, claim)
+            self._saving_failed(command, exc, claim)
             raise
+
+    def _saving_failed(self, command: Command, exc: DatabaseError, claim: _Claim | None) -> None:
+        """The view ran, and saving its outcome (or the COMMIT) raised ``exc``, its transaction
+        already left: raise the ``503`` of a lost database (:meth:`_unavailable`, the outcome
+        unknown) or of a conflict that rolled it back (:meth:`_rolled_back_by_database`).
+        Returns for any other error, which the caller raises."""
+        if self.store.unreachable(exc):
+            self._unavailable(command, exc, saving=True)
+        if self.store.conflicted(exc):
+            self._rolled_back_by_database(command, exc, claim)
 
     def _rolled_back_by_database(
         self, command: Command, exc: Exception, claim: _Claim | None
