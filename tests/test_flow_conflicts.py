@@ -28,7 +28,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from django.db import DatabaseError, connection, connections, transaction
+from django.db import DatabaseError, connection, connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.test import RequestFactory
 from django.utils import timezone
@@ -40,6 +40,7 @@ from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_flows import ProbeError
 from tests.probes import effects, in_thread
+from tests.test_http_store_conflicts import assert_503, holding_row, write_skew
 from tests.test_http_store_conflicts_review import Paused
 
 pytestmark = [
@@ -86,16 +87,6 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
-def assert_503(response: Any) -> None:
-    assert isinstance(response, HttpResponse), f"a 500: {response!r}"
-    assert response.status_code == 503, response.content
-    assert response["Content-Type"] == "application/problem+json"
-    assert response["Retry-After"] == "1"
-    problem = json.loads(response.content)
-    assert problem["type"].endswith("#database-unavailable")
-    assert "rolled this request back" in problem["detail"]
-
-
 # --- 1. Storing a failed flow's answer ----------------------------------------------------------
 
 FAILING = Paused()
@@ -132,16 +123,9 @@ def run_failure_store_against_a_held_run(key: str, caplog: pytest.LogCaptureFixt
     future = FAILING.send(failing_flow, key, before())
     record = IdempotencyRecord.objects.get(key=key).pk
     run = FlowRun.objects.get(record_id=record)
-    with (
-        caplog.at_level(logging.INFO, logger="django_idempotency"),
-        transaction.atomic(using=NEIGHBOUR),
-        connections[NEIGHBOUR].cursor() as cursor,
-    ):
-        cursor.execute(f"SELECT id FROM {RUNS} WHERE id = %s FOR UPDATE", [run.pk])
-        cursor.fetchall()
+    with holding_row(RUNS, run.pk, caplog):
         FAILING.go()
         response = future.result(60)
-        transaction.set_rollback(True, using=NEIGHBOUR)
     return response
 
 
@@ -247,16 +231,9 @@ def test_a_flow_the_completer_rolled_forward_stays_failed_when_its_answer_is_not
     thread, outcome = in_thread(complete)
     assert COMPLETER.inside.wait(60), outcome
     run = FlowRun.objects.get(record__key=key)
-    with (
-        caplog.at_level(logging.INFO, logger="django_idempotency"),
-        transaction.atomic(using=NEIGHBOUR),
-        connections[NEIGHBOUR].cursor() as cursor,
-    ):
-        cursor.execute(f"SELECT id FROM {RUNS} WHERE id = %s FOR UPDATE", [run.pk])
-        cursor.fetchall()
+    with holding_row(RUNS, run.pk, caplog):
         COMPLETER.go()
         thread.join(60)
-        transaction.set_rollback(True, using=NEIGHBOUR)
     assert "error" not in outcome, outcome
     [done] = outcome["result"]
     assert (done.outcome, done.status) == ("paused", 503), done
@@ -336,14 +313,8 @@ def test_a_write_skew_at_a_phases_fence_is_503_with_the_run_kept(
     try:
         future = FENCED.send(fenced_flow, key, serializable)
         record = IdempotencyRecord.objects.get(key=key).pk
-        with transaction.atomic(using=NEIGHBOUR), connections[NEIGHBOUR].cursor() as cursor:
-            cursor.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-            cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s", [record])
-            cursor.fetchall()
-            cursor.execute(
-                f"UPDATE {Effect._meta.db_table} SET name = 'fc-anchor, written' WHERE id = %s",
-                [ANCHOR["pk"]],
-            )
+        read = f"SELECT id FROM {TABLE} WHERE id = %s"
+        write_skew(read, [record], ANCHOR["pk"], "fc-anchor, written")
         with caplog.at_level(logging.INFO, logger="django_idempotency"):
             FENCED.go()
             response = future.result(60)
@@ -371,16 +342,9 @@ def test_a_lock_wait_that_runs_out_at_a_phases_fence_is_503_with_the_run_kept(
     FENCED.released.clear()
     future = FENCED.send(fenced_flow, key, before())
     record = IdempotencyRecord.objects.get(key=key).pk
-    with (
-        caplog.at_level(logging.INFO, logger="django_idempotency"),
-        transaction.atomic(using=NEIGHBOUR),
-        connections[NEIGHBOUR].cursor() as cursor,
-    ):
-        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", [record])
-        cursor.fetchall()
+    with holding_row(TABLE, record, caplog):
         FENCED.go()
         response = future.result(60)
-        transaction.set_rollback(True, using=NEIGHBOUR)
     assert not isinstance(response, DatabaseError), f"a 500: {response!r}"
     assert_503(response)
     warnings = warnings_of(caplog)

@@ -28,8 +28,9 @@ import json
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -128,13 +129,58 @@ def deadlock_at_store(lease: bool, key: str, hold: Callable[[Any, int | None], N
     return future.result(60)
 
 
-def assert_retryable(response: HttpResponse, key: str, warnings: list[str], code: str) -> None:
+def heavy(cursor: Any) -> None:
+    """MariaDB: make the neighbour's transaction the heavier one (30 rows of another owner), so
+    that InnoDB rolls the request back, not it, when they deadlock."""
+    for n in range(30):
+        cursor.execute(
+            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
+            "response_headers, created_at, expires_at) VALUES ('user:heavy', %s, 'f', "
+            "'POST', '/', 'completed', %s, '{}', UTC_TIMESTAMP(6), "
+            "UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
+            [f"heavy-{uuid.uuid4()}-{n}", uuid.uuid4().hex],
+        )
+
+
+@contextmanager
+def holding_row(table: str, pk: int, caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The neighbour's row lock on row ``pk`` of ``table`` until the block ends (then its
+    transaction rolls back), the library's log captured meanwhile."""
+    with (
+        caplog.at_level(logging.INFO, logger="django_idempotency"),
+        transaction.atomic(using=NEIGHBOUR),
+        connections[NEIGHBOUR].cursor() as cursor,
+    ):
+        cursor.execute(f"SELECT id FROM {table} WHERE id = %s FOR UPDATE", [pk])
+        cursor.fetchall()
+        yield
+        transaction.set_rollback(True, using=NEIGHBOUR)
+
+
+def write_skew(read: str, params: list[Any], anchor: int, name: str) -> None:
+    """PostgreSQL: a neighbour at SERIALIZABLE that reads what the request writes (``read``)
+    and writes the anchor row that the request read (renamed ``name``), and commits first: the
+    request's transaction, SERIALIZABLE too, then fails for read/write dependencies."""
+    with transaction.atomic(using=NEIGHBOUR), connections[NEIGHBOUR].cursor() as cursor:
+        cursor.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        cursor.execute(read, params)
+        cursor.fetchall()
+        cursor.execute(f"UPDATE {EFFECTS} SET name = %s WHERE id = %s", [name, anchor])
+
+
+def assert_503(response: Any) -> None:
+    """``response`` is the retryable ``503`` of a request the database rolled back."""
+    assert isinstance(response, HttpResponse), f"a 500: {response!r}"
     assert response.status_code == 503, response.content
     assert response["Content-Type"] == "application/problem+json"
     assert response["Retry-After"] == "1"
     problem = json.loads(response.content)
     assert problem["type"].endswith("#database-unavailable")
     assert "rolled this request back" in problem["detail"]
+
+
+def assert_retryable(response: HttpResponse, key: str, warnings: list[str], code: str) -> None:
+    assert_503(response)
     [line] = [w for w in warnings if "idempotency unavailable" in w]
     assert code in line and key in line, line
     assert effects(key=key) == 0, "the view's effect committed although the request got 503"
@@ -150,6 +196,22 @@ def retry_runs_once(lease: bool, key: str) -> None:
     assert IdempotencyRecord.objects.get(key=key).state == "completed"
 
 
+def answered_503_then_once(
+    lease: bool,
+    key: str,
+    hold: Callable[[Any, int | None], None],
+    code: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A deadlock at store (:func:`deadlock_at_store`) answers the retryable ``503`` whose
+    WARNING line names ``code``, and a retry then runs the request once."""
+    with caplog.at_level(logging.INFO, logger="django_idempotency"):
+        response = deadlock_at_store(lease, key, hold)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert_retryable(response, key, warnings, code)
+    retry_runs_once(lease, key)
+
+
 @pytest.mark.mysql
 @MODES
 def test_mariadb_a_deadlock_while_the_response_is_stored_is_503_and_a_retry_runs_once(
@@ -158,25 +220,14 @@ def test_mariadb_a_deadlock_while_the_response_is_stored_is_503_and_a_retry_runs
     key = f"store-dl-{uuid.uuid4()}"
 
     def hold(cursor: Any, record: int | None) -> None:
-        for n in range(30):  # weight: InnoDB rolls back the transaction that wrote least
-            cursor.execute(
-                f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
-                "response_headers, created_at, expires_at) VALUES ('user:heavy', %s, 'f', "
-                "'POST', '/', 'completed', %s, '{}', UTC_TIMESTAMP(6), "
-                "UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
-                [f"heavy-{uuid.uuid4()}-{n}", uuid.uuid4().hex],
-            )
+        heavy(cursor)  # InnoDB rolls back the transaction that wrote least
         cursor.execute(
             f"SELECT id FROM {TABLE} FORCE INDEX (idem_record_state_idx) "
             "WHERE state = 'completed' FOR UPDATE"
         )
         cursor.fetchall()
 
-    with caplog.at_level(logging.INFO, logger="django_idempotency"):
-        response = deadlock_at_store(lease, key, hold)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert_retryable(response, key, warnings, "1213")
-    retry_runs_once(lease, key)
+    answered_503_then_once(lease, key, hold, "1213", caplog)
 
 
 @pytest.mark.postgres
@@ -201,11 +252,7 @@ def test_postgresql_a_deadlock_while_the_response_is_stored_is_503_and_a_retry_r
                 [key, uuid.uuid4()],
             )
 
-    with caplog.at_level(logging.INFO, logger="django_idempotency"):
-        response = deadlock_at_store(lease, key, hold)
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert_retryable(response, key, warnings, "deadlock")
-    retry_runs_once(lease, key)
+    answered_503_then_once(lease, key, hold, "deadlock", caplog)
 
 
 @pytest.mark.mysql

@@ -42,6 +42,7 @@ from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Effect
 from tests.lock_waits import session_of, wait_until_blocked
 from tests.probes import effects
+from tests.test_http_store_conflicts import heavy, holding_row, write_skew
 
 pytestmark = [
     pytest.mark.postgres,
@@ -110,19 +111,6 @@ def paused_flow(request: HttpRequest, flow: Flow) -> HttpResponse:
             cursor.execute("SET deadlock_timeout = '5s'")
     FLOW.reached()
     return JsonResponse({"one": one.pk}, status=201)
-
-
-def heavy(cursor: Any) -> None:
-    """MariaDB: make the neighbour's transaction the heavier one, so that InnoDB rolls the
-    request back, not it."""
-    for n in range(30):
-        cursor.execute(
-            f"INSERT INTO {TABLE} (owner, `key`, fingerprint, method, path, state, token, "
-            "response_headers, created_at, expires_at) VALUES ('user:heavy', %s, 'f', "
-            "'POST', '/', 'completed', %s, '{}', UTC_TIMESTAMP(6), "
-            "UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
-            [f"heavy-{uuid.uuid4()}-{n}", uuid.uuid4().hex],
-        )
 
 
 def test_a_flow_whose_phases_committed_keeps_its_record_after_a_deadlock_at_store(
@@ -212,16 +200,9 @@ def test_a_release_that_meets_the_same_lock_keeps_the_503(
     before = "SET lock_timeout = '500ms'" if connection.vendor == "postgresql" else None
     future = LEASED.send(leased_view, key, before)
     record = IdempotencyRecord.objects.get(key=key).pk
-    with (
-        caplog.at_level(logging.INFO, logger="django_idempotency"),
-        transaction.atomic(using=NEIGHBOUR),
-        connections[NEIGHBOUR].cursor() as cursor,
-    ):
-        cursor.execute(f"SELECT id FROM {TABLE} WHERE id = %s FOR UPDATE", [record])
-        cursor.fetchall()
+    with holding_row(TABLE, record, caplog):
         LEASED.go()
         response = future.result(60)
-        transaction.set_rollback(True, using=NEIGHBOUR)
     assert isinstance(response, HttpResponse), f"a 500: {response!r}"
     assert response.status_code == 503, response.content
     assert response["Content-Type"] == "application/problem+json"
@@ -270,14 +251,8 @@ def test_a_write_skew_at_serializable_is_503_not_a_stale_claim(
     SKEWED.released.clear()
     serializable = "SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL SERIALIZABLE"
     future = SKEWED.send(view, key, serializable)
-    with transaction.atomic(using=NEIGHBOUR), connections[NEIGHBOUR].cursor() as cursor:
-        cursor.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
-        cursor.execute(f"SELECT id FROM {TABLE} WHERE owner = 'anonymous' AND key = %s", [key])
-        cursor.fetchall()
-        cursor.execute(
-            f"UPDATE {Effect._meta.db_table} SET name = 'review-anchor, written' WHERE id = %s",
-            [ANCHOR["pk"]],
-        )
+    read = f"SELECT id FROM {TABLE} WHERE owner = 'anonymous' AND key = %s"
+    write_skew(read, [key], ANCHOR["pk"], "review-anchor, written")
     with caplog.at_level(logging.INFO, logger="django_idempotency"):
         SKEWED.go()
         response = future.result(60)
@@ -395,16 +370,9 @@ def test_a_conflict_on_the_flows_run_when_it_completes_is_503_and_leaves_no_tran
     future = STATED.send(view, key, before)
     record = IdempotencyRecord.objects.get(key=key).pk
     run = FlowRun.objects.get(record_id=record).pk
-    with (
-        caplog.at_level(logging.INFO, logger="django_idempotency"),
-        transaction.atomic(using=NEIGHBOUR),
-        connections[NEIGHBOUR].cursor() as cursor,
-    ):
-        cursor.execute(f"SELECT id FROM {RUNS} WHERE id = %s FOR UPDATE", [run])
-        cursor.fetchall()
+    with holding_row(RUNS, run, caplog):
         STATED.go()
         response = future.result(60)
-        transaction.set_rollback(True, using=NEIGHBOUR)
     assert after == {"in_atomic_block": False, "next query": 1}, after
     assert isinstance(response, HttpResponse), f"a 500: {response!r}"
     assert response.status_code == 503, response.content
