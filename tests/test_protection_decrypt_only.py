@@ -107,7 +107,7 @@ def sealed_records() -> int:
 
 
 def decrypt(**options: Any) -> list[Any]:
-    return core.decrypt_stored(**options)  # type: ignore[no-any-return]
+    return core.decrypt_stored(**options)
 
 
 # --- The mode ----------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_flow_runs_decrypt_only_plaintext_then_decrypted_and_resumed_without_key
     assert FlowRun.objects.get(pk=sealed.pk).updated_at == sealed.updated_at
     with keys():  # keys and mode removed: both runs resume
         for key, card in cards.items():
-            done = post(client, "/probe/flow/", key, {"card": card})
+            done: Any = post(client, "/probe/flow/", key, {"card": card})
             assert done.status_code == 201 and json.loads(done.content)["resumed"] is True
     assert sum(REMOTE_CALLS.values()) == 2
     assert effects("flow-one") == 2 and effects("flow-three") == 2
