@@ -364,7 +364,7 @@ class RotationResult:
 
 
 Progress = Callable[[str, int, int, int], None]
-"""``progress(table, last id done, last id of the table, rows resealed so far)``."""
+"""``progress(table, last id done, last id of the table, rows written so far)``."""
 
 
 class RotationError(IdempotencyError):
