@@ -4,8 +4,9 @@
 * In decrypt-only mode new values are stored in plaintext (read back with raw SQL), and what was
   sealed still opens with the listed keys: a replay is the same bytes.
 * ``--decrypt`` writes every sealed record, flow run and outbox message in plaintext (no
-  ``@sealed`` marker is left in any column, read with raw SQL), goes on where it was stopped,
-  and replays beside it stay byte-identical; afterwards everything works with no key at all.
+  ``@sealed`` marker is left in any column, read with raw SQL), goes on where it was stopped
+  (between two batches, or by a ``SIGKILL`` of the command), and replays beside it stay
+  byte-identical; afterwards everything works with no key at all.
 * It is refused unless the mode is decrypt-only and keys are listed; the checks name what to
   change.
 
@@ -17,6 +18,10 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -24,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,11 +46,13 @@ from django_idempotency.outbox import core as outbox
 from django_idempotency.outbox.relay import Relay
 from django_idempotency.protection import core
 from django_idempotency.protection.checks import check_encryption
-from django_idempotency.protection.keys import key_id
+from django_idempotency.protection.keys import Keyring, key_id
 from testproject.shop.probe_flows import ProbeError
 from tests.probes import effects, post
 from tests.protection_helpers import keys, leaked, new_key, raw_tables
+from tests.servers import REPO, database_url
 from tests.test_protection_outbox import Recording
+from tests.test_protection_rotation import seed
 
 pytestmark = pytest.mark.django_db
 
@@ -373,3 +381,50 @@ def test_replays_beside_the_decryption_are_byte_identical() -> None:
     with keys():
         assert_replays(client, dict(list(firsts.items())[::10]))
     assert effects("secret") == IdempotencyRecord.objects.count()  # nothing ran twice
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_decryption_goes_on_after_a_sigkill(tmp_path: Path) -> None:
+    """``manage.py idempotency_rotate_keys --decrypt`` killed in the middle of its batches: each
+    record is sealed or in plaintext, none broken, and the next run finishes the rest."""
+    count = 3000
+    bodies = seed(Keyring((base64.urlsafe_b64decode(K1),)), count)
+    (tmp_path / "decrypt_only_settings.py").write_text(
+        "from testproject.settings import *  # noqa: F403\n"
+        'IDEMPOTENCY = {**IDEMPOTENCY, "ENCRYPTION_MODE": "decrypt-only"}  # noqa: F405\n'
+    )
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "decrypt_only_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+        "DATABASE_URL": database_url(connection.settings_dict),
+        "IDEMPOTENCY_ENCRYPTION_KEYS": K1,
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("COV_CORE_SOURCE", None)
+    command = [sys.executable, "manage.py", "idempotency_rotate_keys", "--decrypt"]
+    command += ["--batch-size", "10"]
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120  # Django's start included: a guard, not a timing
+        while sealed_records() > count - count // 10 and process.poll() is None:
+            assert time.monotonic() < deadline, "the decryption never got going"
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL  # killed, not finished
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+    left = sealed_records()
+    assert 0 < left < count, left
+    rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    assert f"idempotency records: decrypted {left} in" in rerun.stdout
+    assert "Done: nothing is stored encrypted" in rerun.stdout
+    assert sealed_records() == 0
+    for key, headers, body in IdempotencyRecord.objects.values_list(
+        "key", "response_headers", "response_body"
+    ):  # every record in plaintext, as it was sealed: no row was lost or broken by the kill
+        assert (headers, bytes(body or b"")) == ({"Content-Type": "x/y"}, bodies[key])
