@@ -19,7 +19,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -49,7 +48,7 @@ from django_idempotency.protection.checks import check_encryption
 from django_idempotency.protection.keys import Keyring, key_id
 from testproject.shop.probe_flows import ProbeError
 from tests.probes import effects, post
-from tests.protection_helpers import keys, leaked, new_key, raw_tables
+from tests.protection_helpers import keys, kill_half_way, leaked, new_key, raw_tables
 from tests.servers import REPO, database_url
 from tests.test_protection_outbox import Recording
 from tests.test_protection_rotation import seed
@@ -405,18 +404,7 @@ def test_the_decryption_goes_on_after_a_sigkill(tmp_path: Path) -> None:
     env.pop("COV_CORE_SOURCE", None)
     command = [sys.executable, "manage.py", "idempotency_rotate_keys", "--decrypt"]
     command += ["--batch-size", "10"]
-    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120  # Django's start included: a guard, not a timing
-        while sealed_records() > count - count // 10 and process.poll() is None:
-            assert time.monotonic() < deadline, "the decryption never got going"
-            time.sleep(0.02)
-        os.killpg(process.pid, signal.SIGKILL)
-        assert process.wait(10) == -signal.SIGKILL  # killed, not finished
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+    kill_half_way(command, env, lambda: sealed_records() <= count - count // 10)
     left = sealed_records()
     assert 0 < left < count, left
     rerun = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
