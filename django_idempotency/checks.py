@@ -35,6 +35,8 @@ django_idempotency.E041 A Kafka consumer's ``HANDLER`` cannot be imported or is 
 django_idempotency.E050 ``ENCRYPTION_KEYS`` holds keys but ``cryptography`` is not installed
                         (:mod:`django_idempotency.protection.checks`).
 django_idempotency.E051 ``OUTBOX_ENCRYPT`` is on but no encryption key is set.
+django_idempotency.E052 ``ENCRYPTION_MODE`` is ``"decrypt-only"`` but no encryption key is set.
+django_idempotency.W053 ``OUTBOX_ENCRYPT`` is on in the ``"decrypt-only"`` mode, which wins.
 ======================  =====================================================================
 """
 

@@ -306,6 +306,23 @@ def _encryption_keys(name: str, value: Any) -> tuple[bytes, ...]:
     return tuple(keys)
 
 
+ENCRYPT = "encrypt"
+DECRYPT_ONLY = "decrypt-only"
+ENCRYPTION_MODES = (ENCRYPT, DECRYPT_ONLY)
+"""``ENCRYPTION_MODE``: seal new values (the default), or store them in plaintext and only open
+sealed ones (the way out of encryption, docs/security.md#turning-encryption-off)."""
+
+
+def _encryption_mode(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in ENCRYPTION_MODES:
+        raise _error(
+            name,
+            f"must be {ENCRYPT!r} (seal new values) or {DECRYPT_ONLY!r} (store new values in "
+            f"plaintext, still open sealed ones with ENCRYPTION_KEYS), not {value!r}.",
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Option:
     default: Any
@@ -413,6 +430,12 @@ OPTIONS: dict[str, Option] = {
         False,
         _boolean,
         "Encrypt outbox payloads with ENCRYPTION_KEYS too; the relay decrypts before it sends.",
+    ),
+    "ENCRYPTION_MODE": Option(
+        ENCRYPT,
+        _encryption_mode,
+        "'encrypt': seal new values with the newest key; 'decrypt-only': store new values in "
+        "plaintext and still open sealed ones with ENCRYPTION_KEYS (turning encryption off).",
     ),
     # --- Operations ---
     "TELEMETRY": Option(
@@ -573,6 +596,10 @@ class IdempotencySettings:
     @property
     def OUTBOX_ENCRYPT(self) -> bool:
         return self.value("OUTBOX_ENCRYPT")  # type: ignore[no-any-return]
+
+    @property
+    def ENCRYPTION_MODE(self) -> str:
+        return self.value("ENCRYPTION_MODE")  # type: ignore[no-any-return]
 
     @property
     def TELEMETRY(self) -> bool:

@@ -1,10 +1,14 @@
-"""Helpers for the data-protection tests: keys, settings, and a raw read of every column."""
+"""Helpers for the data-protection tests: keys, settings, a raw read of every column, and a
+command SIGKILLed half-way."""
 
 from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Iterator
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,6 +16,8 @@ from django.apps import apps
 from django.conf import settings
 from django.db import connection
 from django.test import override_settings
+
+from tests.servers import REPO
 
 
 def new_key() -> str:
@@ -59,3 +65,28 @@ def leaked(secret: str) -> list[bytes]:
     """The forms of ``secret`` that a raw read of the app's tables finds."""
     stored = raw_tables()
     return [form for form in forms_of(secret) if form in stored]
+
+
+def kill_half_way(command: list[str], env: dict[str, str], half_way: Callable[[], bool]) -> None:
+    """Run ``command`` in the repository and SIGKILL it, its process group with it, as soon as
+    ``half_way()``; fails, with its output, if it ends first, or if it never gets there."""
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120  # Django's start included: a guard, not a timing
+        while not half_way():
+            assert process.poll() is None, process.communicate()[0].decode()
+            assert time.monotonic() < deadline, f"{' '.join(command[1:])} never got going"
+            time.sleep(0.02)
+        os.killpg(process.pid, signal.SIGKILL)
+        assert process.wait(10) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ from django_idempotency.protection import rotate_keys
 from django_idempotency.protection.core import open_response, seal_response, stored_key_id
 from django_idempotency.protection.keys import Keyring, key_id
 from tests.probes import effects, post
-from tests.protection_helpers import keys, new_key
+from tests.protection_helpers import keys, kill_half_way, new_key
 from tests.servers import REPO, database_url
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -182,26 +181,7 @@ def test_the_rotation_goes_on_after_a_sigkill() -> None:
     }
     env.pop("COV_CORE_SOURCE", None)
     command = [sys.executable, "manage.py", "idempotency_rotate_keys", "--batch-size", "10"]
-    process = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 120  # Django's start included: a guard, not a timing
-        while under(k2) < count // 10:
-            assert process.poll() is None, process.communicate()[0].decode()
-            assert time.monotonic() < deadline, "the rotation never got going"
-            time.sleep(0.02)
-        os.killpg(process.pid, signal.SIGKILL)
-        assert process.wait(10) == -signal.SIGKILL
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
+    kill_half_way(command, env, lambda: under(k2) >= count // 10)
     done = under(k2)
     assert 0 < done < count, done  # killed half-way
     assert done + under(k1) == count  # each row under one key or the other, none broken

@@ -4,11 +4,12 @@ Read top down, each layer calls only the ones below it:
 
 * adapters: :mod:`.checks` (system checks), :mod:`.admin` (the admin's erasure action and
   display), and the commands ``idempotency_rotate_keys`` and ``idempotency_erase``;
-* :mod:`.core`: what is sealed, how a stored value is opened, the rotation and the erasure;
+* :mod:`.core`: what is sealed, how a stored value is opened, the rotation, the decryption
+  (``ENCRYPTION_MODE = "decrypt-only"``) and the erasure;
 * :mod:`.keys`: the keys and the cipher (AES-256-GCM, the ``crypto`` extra);
 * :mod:`.store`: the batches and compare-and-swap writes.
 
-``erase_owner`` and ``rotate_keys`` are importable from here, lazily.
+``decrypt_stored``, ``erase_owner`` and ``rotate_keys`` are importable from here, lazily.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["erase_owner", "rotate_keys"]
+__all__ = ["decrypt_stored", "erase_owner", "rotate_keys"]
 
 if TYPE_CHECKING:
-    from django_idempotency.protection.core import erase_owner, rotate_keys
+    from django_idempotency.protection.core import decrypt_stored, erase_owner, rotate_keys
 
 
 def __getattr__(name: str) -> Any:

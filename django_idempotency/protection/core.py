@@ -26,6 +26,14 @@ answered ``410`` (``response-erased``) until the record expires, and the view ne
 
 **Rotation** (:func:`rotate_keys`) re-seals, with the newest key, every completed record, flow
 run and unsent outbox message that is sealed with an older key (or not at all), in batches.
+
+**Decrypt-only** (``ENCRYPTION_MODE = "decrypt-only"``): new values are stored in plaintext and
+sealed ones still open with the listed keys; :func:`decrypt_stored` then writes every sealed
+value in plaintext, with the rotation's batches and compare-and-swap writes, so the keys can go.
+
+Why this module is long: the sealing, the opening, the rotation and the decryption are one
+format read and written four ways; the rotation and the decryption share one batch loop over
+the same tables, and splitting them from the format they rewrite would spread it over modules.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from django_idempotency.conf import SETTING_NAME, conf
+from django_idempotency.conf import DECRYPT_ONLY, SETTING_NAME, conf
 from django_idempotency.exceptions import (
     IdempotencyError,
     ProblemError,
@@ -51,7 +59,13 @@ from django_idempotency.exceptions import (
 )
 from django_idempotency.http.owner import display_owner
 from django_idempotency.managers import _batch_size, _max_seconds
-from django_idempotency.protection.keys import Keyring, Undecryptable, keyring, open_sealed
+from django_idempotency.protection.keys import (
+    Keyring,
+    Undecryptable,
+    keyring,
+    open_sealed,
+    sealing_keyring,
+)
 from django_idempotency.protection.store import (
     FlowRunRow,
     OutboxRow,
@@ -67,6 +81,7 @@ __all__ = [
     "ErasureResult",
     "RotationResult",
     "Undecryptable",
+    "decrypt_stored",
     "erase_owner",
     "open_response",
     "open_value",
@@ -160,9 +175,16 @@ def open_response(
 def stored_response(
     owner: str, key: str, headers: dict[str, str], body: bytes | None
 ) -> tuple[dict[str, str], bytes | None]:
-    """A response as a record stores it: sealed when ``ENCRYPTION_KEYS`` is set, as it is
-    otherwise (the same values, so the same statement stores the same bytes as before)."""
-    ring = keyring()
+    """A response as a record stores it: sealed when ``ENCRYPTION_KEYS`` is set (and
+    ``ENCRYPTION_MODE`` is not ``"decrypt-only"``), as it is otherwise (the same values, so the
+    same statement stores the same bytes as before)."""
+    return response_as_stored(sealing_keyring(), owner, key, headers, body)
+
+
+def response_as_stored(
+    ring: Keyring | None, owner: str, key: str, headers: dict[str, Any], body: bytes | None
+) -> tuple[dict[str, Any], bytes | None]:
+    """A response sealed with ``ring``'s newest key, or as it is when ``ring`` is None."""
     if ring is None:
         return headers, body
     return seal_response(ring, owner, key, headers, body)
@@ -223,15 +245,22 @@ def open_value(value: Any, context: bytes) -> Any:
     return json.loads(open_sealed(keyring(), sealed, context))
 
 
-def seal_value_if_keys(value: Any, context: bytes) -> Any:
-    """``value`` sealed when keys are set; as it is otherwise."""
-    ring = keyring()
+def value_as_stored(ring: Keyring | None, value: Any, context: bytes) -> Any:
+    """A JSON value sealed with ``ring``'s newest key, or as it is when ``ring`` is None."""
     return value if ring is None else seal_value(ring, value, context)
 
 
-def seal_outbox_payload(payload: Any, event_id: str) -> dict[str, str]:
+def seal_value_if_keys(value: Any, context: bytes) -> Any:
+    """``value`` sealed when keys are set (and the mode is not decrypt-only); as it is
+    otherwise."""
+    return value_as_stored(sealing_keyring(), value, context)
+
+
+def seal_outbox_payload(payload: Any, event_id: str) -> Any:
     """An outbox payload encrypted with the newest key (``OUTBOX_ENCRYPT``); the relay opens
-    it just before it sends."""
+    it just before it sends. As it is in decrypt-only mode, which seals nothing new (W053)."""
+    if conf.ENCRYPTION_MODE == DECRYPT_ONLY:
+        return payload
     ring = keyring()
     if ring is None:
         raise ImproperlyConfigured(
@@ -314,7 +343,8 @@ class RotationResult:
 
     table: str
     resealed: int
-    """Rows written again, sealed with the newest key."""
+    """Rows written again: sealed with the newest key (:func:`rotate_keys`), or in plaintext
+    (:func:`decrypt_stored`)."""
     undecryptable: int
     """Rows that no configured key opens, left as they are (each logged at ERROR)."""
     batches: int
@@ -334,11 +364,11 @@ class RotationResult:
 
 
 Progress = Callable[[str, int, int, int], None]
-"""``progress(table, last id done, last id of the table, rows resealed so far)``."""
+"""``progress(table, last id done, last id of the table, rows written so far)``."""
 
 
 class RotationError(IdempotencyError):
-    """The rotation cannot run: no keys are set."""
+    """The rotation (or the decryption) cannot run: no keys are set, or the mode forbids it."""
 
 
 def rotate_keys(
@@ -367,38 +397,88 @@ def rotate_keys(
             "ENCRYPTION_KEYS is empty: there is no key to rotate to. Put the new key first in "
             "ENCRYPTION_KEYS, keep the old ones after it, and run the rotation again."
         )
+    if conf.ENCRYPTION_MODE == DECRYPT_ONLY:
+        raise RotationError(
+            f"{SETTING_NAME}['ENCRYPTION_MODE'] is 'decrypt-only': the app stores new values "
+            "in plaintext, so nothing is re-encrypted. To turn encryption off, run "
+            "idempotency_rotate_keys --decrypt; to rotate, set ENCRYPTION_MODE back to "
+            "'encrypt' (or remove it) and deploy first."
+        )
+    return _rewrite(ring, using, batch_size, max_seconds, progress, conf.OUTBOX_ENCRYPT)
+
+
+def decrypt_stored(
+    *,
+    using: str | None = None,
+    batch_size: int | None = None,
+    max_seconds: float | None = None,
+    progress: Progress | None = None,
+) -> list[RotationResult]:
+    """Write in plaintext every sealed value: completed records, flow runs, outbox messages.
+
+    The way out of encryption at rest (docs/security.md, "Turning encryption off"): it runs
+    only with ``ENCRYPTION_MODE = "decrypt-only"``, so that the app seals nothing again, and
+    with the keys that sealed the values still listed. The same batches, compare-and-swap
+    writes, time budget and resumption as :func:`rotate_keys`; a replay meanwhile reads the
+    sealed value or the plaintext one, which are the same bytes. Outbox messages already sent
+    are written in plaintext too (the admin shows them until the purge), and a row that no
+    listed key opens is left as it is and logged at ERROR.
+    """
+    if conf.ENCRYPTION_MODE != DECRYPT_ONLY:
+        raise RotationError(
+            f"{SETTING_NAME}['ENCRYPTION_MODE'] is not 'decrypt-only': the app would seal new "
+            "values again while they are decrypted. Set ENCRYPTION_MODE = 'decrypt-only' "
+            "(keeping ENCRYPTION_KEYS), deploy every process, then run the decryption."
+        )
+    if keyring() is None:
+        raise RotationError(
+            "ENCRYPTION_KEYS is empty: no key opens the sealed values. Put back the keys that "
+            "sealed them (ENCRYPTION_MODE stays 'decrypt-only') and run the decryption again."
+        )
+    return _rewrite(None, using, batch_size, max_seconds, progress, True)
+
+
+def _rewrite(
+    target: Keyring | None,
+    using: str | None,
+    batch_size: int | None,
+    max_seconds: float | None,
+    progress: Progress | None,
+    plaintext_too: bool,
+) -> list[RotationResult]:
+    """Write each stored value again, sealed with ``target``'s newest key or, when ``target``
+    is None, in plaintext: the batches of every table not yet in that form."""
     size = _batch_size(batch_size)
     budget = _max_seconds(max_seconds)
     store = ProtectionStore(using or conf.DATABASE)
     deadline = time.monotonic() + budget if budget else None
-    newest = ring.newest_id
+    wanted = None if target is None else target.newest_id
 
     def record(row: RecordRow) -> tuple[Any, ...] | None:
         try:
             headers, body = open_response(row.owner, row.key, row.headers, row.body)
         except Erased:  # erased after the batch was read: nothing left to seal
             return None
-        return seal_response(ring, row.owner, row.key, headers, body)
+        return response_as_stored(target, row.owner, row.key, headers, body)
 
     def flow_run(row: FlowRunRow) -> tuple[Any, ...]:
-        sealed = []
+        written = []
         for field, value in (("request", row.request), ("results", row.results)):
             context = flow_context(row.record_id, field)
-            sealed.append(seal_value(ring, open_value(value, context), context))
-        return tuple(sealed)
+            written.append(value_as_stored(target, open_value(value, context), context))
+        return tuple(written)
 
     def message(row: OutboxRow) -> tuple[Any, ...]:
         context = outbox_context(row.event_id)
-        return (seal_value(ring, open_value(row.payload, context), context),)
+        return (value_as_stored(target, open_value(row.payload, context), context),)
 
-    plaintext_too = conf.OUTBOX_ENCRYPT
     tables: list[tuple[str, str, Callable[[], int], Callable[[int], Sequence[Any]], Any, Any]] = [
         (
             "idempotency records",
             "record",
             store.last_record_id,
             lambda after: store.records_to_reseal(
-                after, size, sealed=SEALED, erased=ERASED, key_id=newest
+                after, size, sealed=SEALED, erased=ERASED, key_id=wanted
             ),
             record,
             store.reseal_records,
@@ -407,7 +487,7 @@ def rotate_keys(
             "flow runs",
             "flow run",
             store.last_flow_run_id,
-            lambda after: store.flow_runs_to_reseal(after, size, sealed=SEALED, key_id=newest),
+            lambda after: store.flow_runs_to_reseal(after, size, sealed=SEALED, key_id=wanted),
             flow_run,
             store.reseal_flow_runs,
         ),
@@ -416,7 +496,7 @@ def rotate_keys(
             "outbox message",
             store.last_outbox_id,
             lambda after: store.outbox_to_reseal(
-                after, size, sealed=SEALED, key_id=newest, plaintext_too=plaintext_too
+                after, size, sealed=SEALED, key_id=wanted, plaintext_too=plaintext_too
             ),
             message,
             store.reseal_outbox,
@@ -437,7 +517,8 @@ def _rotate(
     progress: Progress | None,
 ) -> RotationResult:
     """Rotate one table: batches of rows after the last id done, each opened, sealed again
-    with the newest key and written back (``write``, a compare-and-swap per row)."""
+    with the newest key (or left in plaintext) and written back (``write``, a compare-and-swap
+    per row)."""
     started = time.monotonic()
     last = last_id()
     after = resealed = undecryptable = batches = 0

@@ -15,6 +15,9 @@ the flow run's record, the outbox message's event id): a sealed value copied to 
 does not open there, so whoever can write to the database cannot make one client replay
 another's response.
 
+``ENCRYPTION_MODE = "decrypt-only"`` keeps the keys for opening and seals nothing new:
+:func:`keyring` opens, :func:`sealing_keyring` seals.
+
 Only this module imports ``cryptography`` (the ``crypto`` extra), and only once a key is set.
 A value that names no configured key is :class:`Undecryptable` without it.
 """
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from django_idempotency.conf import conf
+from django_idempotency.conf import DECRYPT_ONLY, conf
 from django_idempotency.exceptions import IdempotencyError
 from django_idempotency.extras import missing_extra
 
@@ -38,6 +41,7 @@ __all__ = [
     "key_id",
     "keyring",
     "sealed_key_id",
+    "sealing_keyring",
 ]
 
 VERSION = b"\x01"
@@ -157,4 +161,13 @@ def keyring() -> Keyring | None:
         return ring
     ring = Keyring(keys) if keys else None
     _cache = (keys, ring)
+    return ring
+
+
+def sealing_keyring() -> Keyring | None:
+    """The keys new values are sealed with: :func:`keyring`, or None when ``ENCRYPTION_MODE``
+    is ``"decrypt-only"`` (new values are stored in plaintext; sealed ones still open)."""
+    ring = keyring()
+    if ring is None or conf.ENCRYPTION_MODE == DECRYPT_ONLY:
+        return None
     return ring

@@ -1,7 +1,8 @@
-"""The queries of data protection: batches to re-encrypt, compare-and-swap writes, erasure.
+"""The queries of data protection: batches to re-encrypt (or to decrypt), compare-and-swap
+writes, erasure.
 
-Every write is a compare-and-swap, so that the rotation and the erasure run beside live
-traffic without overwriting what a request wrote meanwhile:
+Every write is a compare-and-swap, so that the rotation, the decryption and the erasure run
+beside live traffic without overwriting what a request wrote meanwhile:
 
 * a record is rewritten only while it is ``completed`` under the token that was read (every
   claim, takeover and erasure draws a new token);
@@ -69,15 +70,15 @@ class ProtectionStore:
     # -- records -----------------------------------------------------------------------------
 
     def records_to_reseal(
-        self, after: int, size: int, *, sealed: str, erased: str, key_id: str
+        self, after: int, size: int, *, sealed: str, erased: str, key_id: str | None
     ) -> list[RecordRow]:
         """Up to ``size`` completed records after id ``after`` that are not sealed with
-        ``key_id`` and not erased, in id order."""
+        ``key_id`` (None: that are sealed at all) and not erased, in id order."""
         rows = (
             IdempotencyRecord.objects.using(self.using)
             .filter(pk__gt=after, state=COMPLETED)
             .exclude(response_headers__has_key=erased)
-            .filter(_not_sealed_with("response_headers", sealed, key_id))
+            .filter(_not_stored_as("response_headers", sealed, key_id))
             .order_by("pk")
             .values_list("pk", "owner", "key", "token", "response_headers", "response_body")[:size]
         )
@@ -171,14 +172,16 @@ class ProtectionStore:
     # -- flow runs ---------------------------------------------------------------------------
 
     def flow_runs_to_reseal(
-        self, after: int, size: int, *, sealed: str, key_id: str
+        self, after: int, size: int, *, sealed: str, key_id: str | None
     ) -> list[FlowRunRow]:
+        """Flow runs after ``after`` whose request or results are not sealed with ``key_id``
+        (None: are sealed at all)."""
         rows = (
             FlowRun.objects.using(self.using)
             .filter(pk__gt=after)
             .filter(
-                _not_sealed_with("request", sealed, key_id)
-                | _not_sealed_with("results", sealed, key_id)
+                _not_stored_as("request", sealed, key_id)
+                | _not_stored_as("results", sealed, key_id)
             )
             .order_by("pk")
             .values_list("pk", "record_id", "updated_at", "request", "results")[:size]
@@ -202,20 +205,19 @@ class ProtectionStore:
     # -- outbox ------------------------------------------------------------------------------
 
     def outbox_to_reseal(
-        self, after: int, size: int, *, sealed: str, key_id: str, plaintext_too: bool
+        self, after: int, size: int, *, sealed: str, key_id: str | None, plaintext_too: bool
     ) -> list[OutboxRow]:
         """Unsent messages after ``after`` sealed with another key than ``key_id`` (and, with
-        ``plaintext_too``, those in plaintext)."""
-        other_key = Q(**{f"payload__{sealed}__isnull": False}) & ~Q(
-            **{f"payload__{sealed}": key_id}
-        )
+        ``plaintext_too``, those in plaintext); with ``key_id`` None, every sealed message, sent
+        ones too (they are kept, and shown, until the purge)."""
+        entries = OutboxEntry.objects.using(self.using).filter(pk__gt=after)
+        other_key = _not_stored_as("payload", sealed, None)
+        if key_id is not None:
+            entries = entries.exclude(state=OutboxEntry.State.SENT)
+            other_key &= ~Q(**{f"payload__{sealed}": key_id})
+        wanted = _not_stored_as("payload", sealed, key_id) if plaintext_too else other_key
         rows = (
-            OutboxEntry.objects.using(self.using)
-            .filter(pk__gt=after)
-            .exclude(state=OutboxEntry.State.SENT)
-            .filter(_not_sealed_with("payload", sealed, key_id) if plaintext_too else other_key)
-            .order_by("pk")
-            .values_list("pk", "event_id", "payload")[:size]
+            entries.filter(wanted).order_by("pk").values_list("pk", "event_id", "payload")[:size]
         )
         return [OutboxRow(*row) for row in rows]
 
@@ -232,9 +234,12 @@ class ProtectionStore:
         return int(last[0][0]) if last else 0
 
 
-def _not_sealed_with(field: str, marker: str, key_id: str) -> Q:
-    """Rows whose JSON ``field`` does not name ``key_id`` under ``marker``: in plaintext (no
-    marker), or sealed with another key."""
+def _not_stored_as(field: str, marker: str, key_id: str | None) -> Q:
+    """Rows whose JSON ``field`` is not in the form a pass writes. ``key_id``: it does not name
+    ``key_id`` under ``marker`` (in plaintext, or sealed with another key); None (a pass that
+    writes plaintext): it has the marker."""
+    if key_id is None:
+        return Q(**{f"{field}__{marker}__isnull": False})
     return Q(**{f"{field}__{marker}__isnull": True}) | ~Q(**{f"{field}__{marker}": key_id})
 
 

@@ -1,6 +1,8 @@
 """``manage.py idempotency_rotate_keys``: re-encrypt stored data with the newest key, in batches.
 
-Also ``--generate-key``, which prints a new key for ``ENCRYPTION_KEYS``.
+Also ``--decrypt``, which writes every sealed value in plaintext (with ``ENCRYPTION_MODE =
+"decrypt-only"``, the way out of encryption), and ``--generate-key``, which prints a new key for
+``ENCRYPTION_KEYS``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
 from django_idempotency.conf import ENCRYPTION_KEY_BYTES
 from django_idempotency.management.arguments import add_batch_arguments
-from django_idempotency.protection.core import RotationError, RotationResult, rotate_keys
+from django_idempotency.protection.core import (
+    RotationError,
+    RotationResult,
+    decrypt_stored,
+    rotate_keys,
+)
 from django_idempotency.protection.keys import keyring
 from django_idempotency.retention.purge import purged_databases
 
@@ -26,8 +33,9 @@ BAR_WIDTH = 30
 class ProgressBar:
     """A bar on ``stream`` per table: redrawn in place on a terminal, else a line per 10%."""
 
-    def __init__(self, stream: OutputWrapper, started: float) -> None:
+    def __init__(self, stream: OutputWrapper, started: float, verb: str) -> None:
         self.stream = stream
+        self.verb = verb
         self.tty = stream.isatty()
         self.started = started
         self.shown: dict[str, int] = {}
@@ -41,7 +49,7 @@ class ProgressBar:
         filled = int(share * BAR_WIDTH)
         line = (
             f"{table}: [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {share:4.0%} "
-            f"(id {done} of {last}), {resealed} re-encrypted, "
+            f"(id {done} of {last}), {resealed} {self.verb}, "
             f"{time.monotonic() - self.started:.1f}s"
         )
         ending = "" if self.tty else "\n"
@@ -57,14 +65,22 @@ class Command(BaseCommand):
     help = (
         "Re-encrypt stored responses, phased requests and outbox payloads with the newest key "
         "of ENCRYPTION_KEYS, in batches of one short transaction each, beside live traffic. "
-        "Stopped at any point, it goes on where it was when run again."
+        "Stopped at any point, it goes on where it was when run again. With --decrypt, "
+        "write them in plaintext instead (ENCRYPTION_MODE 'decrypt-only')."
     )
 
     def add_arguments(self, parser: ArgumentParser) -> None:
-        parser.add_argument(
+        what = parser.add_mutually_exclusive_group()
+        what.add_argument(
             "--generate-key",
             action="store_true",
             help="Print a new random key for ENCRYPTION_KEYS, and do nothing else.",
+        )
+        what.add_argument(
+            "--decrypt",
+            action="store_true",
+            help="Write every encrypted value in plaintext, to turn encryption off. Refused "
+            "unless IDEMPOTENCY['ENCRYPTION_MODE'] is 'decrypt-only' (deployed everywhere first).",
         )
         add_batch_arguments(
             parser,
@@ -87,15 +103,19 @@ class Command(BaseCommand):
             ring = keyring()
         except (ImproperlyConfigured, ImportError) as exc:
             raise CommandError(str(exc)) from exc
+        decrypt = options["decrypt"]
         if ring is not None and options["verbosity"]:
             self.stdout.write(
-                f"Newest key: {ring.newest_id}; "
+                f"Decrypting with the keys {', '.join(ring.key_ids)}."
+                if decrypt
+                else f"Newest key: {ring.newest_id}; "
                 f"older keys still read: {', '.join(ring.key_ids[1:]) or 'none'}."
             )
         started = time.monotonic()
-        progress = ProgressBar(self.stderr, started) if options["verbosity"] else None
+        verb = "decrypted" if decrypt else "re-encrypted"
+        progress = ProgressBar(self.stderr, started, verb) if options["verbosity"] else None
         try:
-            results = rotate_keys(
+            results = (decrypt_stored if decrypt else rotate_keys)(
                 using=purged_databases(options["database"])[0],
                 batch_size=options["batch_size"],
                 max_seconds=options["max_seconds"],
@@ -107,17 +127,23 @@ class Command(BaseCommand):
             if progress is not None:
                 progress.end()
         for result in results:
-            self.stdout.write(self._line(result))
+            self.stdout.write(self._line(result, verb))
         if any(result.undecryptable for result in results):
             self.stdout.write(
                 self.style.WARNING(
                     "Some rows open with none of the keys (each is logged at ERROR with its "
-                    "key id): they were left as they are. Put their key back to rotate them."
+                    "key id): they were left as they are. Put their key back and run again."
                 )
             )
         if not all(result.finished for result in results):
             self.stdout.write(
                 self.style.WARNING("The time budget ran out first; the next run goes on.")
+            )
+        elif decrypt and not any(result.undecryptable for result in results):
+            self.stdout.write(
+                "Done: nothing is stored encrypted any more. Once every process runs with "
+                "ENCRYPTION_MODE 'decrypt-only' (none started before the change writes), remove "
+                "ENCRYPTION_KEYS and ENCRYPTION_MODE together and deploy."
             )
         elif ring is not None and not any(result.undecryptable for result in results):
             self.stdout.write(
@@ -126,9 +152,9 @@ class Command(BaseCommand):
             )
 
     @staticmethod
-    def _line(result: RotationResult) -> str:
+    def _line(result: RotationResult, verb: str) -> str:
         text = (
-            f"{result.table}: re-encrypted {result.resealed} in {result.batches} "
+            f"{result.table}: {verb} {result.resealed} in {result.batches} "
             f"batch{'es' if result.batches != 1 else ''} ({result.seconds:.2f}s)"
         )
         if result.undecryptable:
