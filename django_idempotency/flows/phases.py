@@ -434,10 +434,10 @@ class _FlowCore(Idempotency):
         forward again: no phase runs, each compensation has run once already (reserved), and
         the failure is stored then.
         """
+        flow = self.flow
+        assert flow is not None
         try:
             with transaction.atomic(using=self.policy.using):
-                flow = self.flow
-                assert flow is not None
                 flow._set_state(FlowRun.State.FAILED, stopped_at=flow._stopped_at or "")
                 headers, body = stored_response(
                     command.owner, command.key, dict(captured.headers), captured.body
@@ -456,7 +456,7 @@ class _FlowCore(Idempotency):
             self._saving_failed(command, exc, claim)
             raise
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
-        telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")
+        telemetry.flow_run(flow.view.name if flow.view else "", "failed")
 
     def _free(self, claim: _Claim) -> None:
         flow = self.flow
