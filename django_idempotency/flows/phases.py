@@ -100,7 +100,7 @@ from django_idempotency.http.handler import (
     replay_response,
 )
 from django_idempotency.http.store import SERIALIZATION_FAILURE, _dependencies, _sqlstate
-from django_idempotency.models import FlowRun, IdempotencyRecord
+from django_idempotency.models import FlowRun, IdempotencyRecord, ProcessedEvent
 from django_idempotency.protection.core import (
     Undecryptable,
     flow_context,
@@ -155,10 +155,11 @@ class _Conflicted(IdempotencyError):
     """The database rolled a phase's transaction back at the flow's own statements (its fence,
     the move of its recovery point) to settle a conflict with another transaction
     (:meth:`~django_idempotency.http.store.RecordStore.conflicted`: a deadlock's victim, a
-    serialization failure for read/write dependencies, a lock wait that ran out). Not a lost
-    claim: the claim is still this run's. :meth:`_FlowCore._abandon` answers it as the core
-    answers such a conflict while a response is stored (``503`` with ``Retry-After``), the run
-    kept for a retry to resume."""
+    serialization failure for read/write dependencies, a lock wait that ran out); or a roll
+    forward's own transaction (its mark, a compensation's fence, reservation or COMMIT) met
+    such a conflict or lost the database. Not a lost claim: the claim is still this run's.
+    :meth:`_FlowCore._abandon` answers it as the core answers such an error while a response
+    is stored (``503`` with ``Retry-After``), the run kept for a retry to resume."""
 
     def __init__(self, error: DatabaseError) -> None:
         super().__init__(str(error))
@@ -433,10 +434,11 @@ class _FlowCore(Idempotency):
         forward again: no phase runs, each compensation has run once already (reserved), and
         the failure is stored then.
         """
+        flow = self.flow
+        assert flow is not None
         try:
             with transaction.atomic(using=self.policy.using):
-                assert self.flow is not None
-                self.flow._set_state(FlowRun.State.FAILED)
+                flow._set_state(FlowRun.State.FAILED, stopped_at=flow._stopped_at or "")
                 headers, body = stored_response(
                     command.owner, command.key, dict(captured.headers), captured.body
                 )
@@ -454,7 +456,7 @@ class _FlowCore(Idempotency):
             self._saving_failed(command, exc, claim)
             raise
         self._log(command, "flow_failed", record=claim.record_id, level=logging.ERROR)
-        telemetry.flow_run(self.flow.view.name if self.flow.view else "", "failed")
+        telemetry.flow_run(flow.view.name if flow.view else "", "failed")
 
     def _free(self, claim: _Claim) -> None:
         flow = self.flow
@@ -475,9 +477,10 @@ class _FlowCore(Idempotency):
             self._log(command, "stale", record=claim.record_id, level=logging.ERROR)
             return
         if isinstance(error, _Conflicted):
-            # The phase's transaction rolled back, the claim still this run's: 503, the run
-            # kept (or, before its first phase, the claim released), as while storing.
-            self._rolled_back_by_database(command, error.error, claim)
+            # The phase's (or a compensation's) transaction rolled back, or lost the database,
+            # the claim still this run's: 503, the run kept (or, before its first phase, the
+            # claim released), as while storing.
+            self._saving_failed(command, error.error, claim)
         if flow is not None and flow.recorded:
             flow._pause(error_text(error), count=True)
             self._log(command, "raised", record=claim.record_id, level=logging.WARNING)
@@ -543,6 +546,8 @@ class Flow:
     _seen: set[str] = field(default_factory=set)
     _done: list[_Done] = field(default_factory=list)
     _keys: dict[str, str] = field(default_factory=dict)
+    _stopped_at: str | None = None
+    """The phase an earlier roll-forward of this run stopped at (with unstored_failure)."""
     _unopened: bool = False
     """The run's stored results could not be decrypted: it must not run (see run())."""
 
@@ -702,8 +707,10 @@ class Flow:
         self.resumed = True
         if run.state == FlowRun.State.FAILED:
             # Rolled forward to failure, its answer not stored: roll forward again. No phase
-            # runs, each compensation ran once already (reserved), and the failure is stored.
+            # runs, each compensation runs once (reserved), and the failure is stored with the
+            # phase the first roll-forward stopped at, which the mark kept in ``started``.
             self.failing = self.unstored_failure = True
+            self._stopped_at, self._started = run.started or None, ""
         telemetry.flow_run(self.view.name, "resumed")
 
     def _lookup(self, name: str, compensate: Callable[[Any, str], Any] | None) -> _Done | None:
@@ -738,24 +745,27 @@ class Flow:
         return returned
 
     @contextmanager
-    def _conflicts(self) -> Iterator[None]:
+    def _conflicts(self, *, lost: bool = False) -> Iterator[None]:
         """Around the flow's own statements and their transaction's COMMIT (the fence, the
         run's writes): a conflict with another transaction there raises :class:`_Conflicted`
-        (:meth:`_conflicted`)."""
+        (:meth:`_conflicted`), and so does a lost database with ``lost``."""
         try:
             yield
         except OperationalError as exc:
-            self._conflicted(exc)
+            self._conflicted(exc, lost=lost)
             raise
 
-    def _conflicted(self, exc: OperationalError) -> None:
+    def _conflicted(self, exc: OperationalError, *, lost: bool = False) -> None:
         """Raise :class:`_Conflicted` (a ``503`` with the run kept, not the driver's error, a
         ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of a phase, is
         a conflict with another transaction (:meth:`RecordStore.conflicted
-        <django_idempotency.http.store.RecordStore.conflicted>`). The phase's function is not
+        <django_idempotency.http.store.RecordStore.conflicted>`), or with ``lost`` (a roll
+        forward's transactions) a lost database (:meth:`RecordStore.unreachable
+        <django_idempotency.http.store.RecordStore.unreachable>`). The phase's function is not
         covered: an error of its writes is the view's, as in lease mode."""
         assert self.core is not None
-        if self.core.store.conflicted(exc):
+        store = self.core.store
+        if store.conflicted(exc) or (lost and store.unreachable(exc)):
             raise _Conflicted(exc) from exc
 
     def _fence(self) -> None:
@@ -823,10 +833,13 @@ class Flow:
         self._results = results
         self._started = values.get("started", self._started)
 
-    def _set_state(self, state: str) -> None:
+    def _set_state(self, state: str, *, stopped_at: str = "") -> None:
+        """Set the run's state. ``stopped_at``: a run marked ``failed`` keeps in ``started``
+        the phase its roll-forward stopped at (the failure's ``interrupted``; "" for none), so
+        that a later roll-forward stores the same answer (:meth:`_roll_forward`)."""
         assert self._run_id is not None
         FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
-            state=state, started="", updated_at=timezone.now()
+            state=state, started=stopped_at, updated_at=timezone.now()
         )
 
     def _pause(self, error: str, *, count: bool) -> None:
@@ -845,32 +858,34 @@ class Flow:
     def _roll_forward(self, interrupted: str | None) -> HttpResponse:
         """Compensate the phases that are done, newest first, each once; answer FlowFailed.
 
-        The run is marked ``failed`` first, in a transaction of its own: if storing the answer
-        is then rolled back (a conflict with another transaction, :meth:`_FlowCore.
-        _store_failure`) or the process dies before it, the next run (the client's retry, or
-        the completer, which looks for such runs too) finds the mark and rolls forward again
-        instead of resuming a flow whose compensations ran. Before, a client's retry of a flow
-        the completer had rolled forward ran its next phases, on top of the undone ones.
+        The run is marked ``failed`` first, in a transaction of its own, with the phase it
+        stopped at (``interrupted``): if storing the answer is then rolled back (a conflict
+        with another transaction, :meth:`_FlowCore._store_failure`), or a compensation's own
+        transaction is (:meth:`_compensate`), or the process dies before the answer is stored,
+        the next run (the client's retry, or the completer, which looks for such runs too)
+        finds the mark and rolls forward again instead of resuming a flow whose compensations
+        ran. Before, a client's retry of a flow the completer had rolled forward ran its next
+        phases, on top of the undone ones.
+
+        That next roll-forward answers with the first one's ``interrupted``, kept on the run:
+        a view that now raises (or returns) before it reaches a phase stopped at none itself,
+        and stored ``interrupted: null``. Its ``compensated`` also names the compensations
+        the first one ran for phases this one does not reach (:meth:`_compensated_before`).
         """
+        if self.unstored_failure:
+            interrupted = self._stopped_at or interrupted
+        self._stopped_at = interrupted  # kept by _FlowCore._store_failure's mark too
         if self._run_id is not None and not self.unstored_failure:
-            with self._conflicts(), transaction.atomic(using=self._alias):
+            with self._conflicts(lost=True), transaction.atomic(using=self._alias):
                 self._fence()
-                self._set_state(FlowRun.State.FAILED)
+                self._set_state(FlowRun.State.FAILED, stopped_at=interrupted or "")
         compensated = []
         for done in reversed(self._done):
-            if done.compensate is None:
-                continue
-            with transaction.atomic(using=self._alias):
-                with self._conflicts():
-                    self._fence()
-                if try_reserve(
-                    f"{self._run_id}:{done.name}",  # FlowRun ids are never reused
-                    COMPENSATION_CONSUMER,
-                    topic=self.view.name if self.view else None,
-                    using=self._alias,
-                ):
-                    done.compensate(done.result, self.key_for(f"{done.name}:compensate"))
-            compensated.append(done.name)
+            if done.compensate is not None:
+                self._compensate(done)
+                compensated.append(done.name)
+        if self.unstored_failure:
+            compensated = self._compensated_before(compensated) + compensated
         self.failed = True
         if compensated:
             telemetry.flow_run(self.view.name if self.view else "", "compensated")
@@ -884,6 +899,53 @@ class Flow:
             compensated=compensated,
         )
         return problem.as_response()
+
+    def _compensate(self, done: _Done) -> None:
+        """Run ``done``'s compensation once: reserved (``try_reserve``) in the transaction of
+        its effect, behind the fence.
+
+        The fence, the reservation and the transaction's COMMIT are the flow's own statements:
+        a conflict with another transaction there (a deadlock's victim, a lock wait that ran
+        out, a serialization failure) or a lost database raises :class:`_Conflicted`, which
+        :meth:`_FlowCore._abandon` answers ``503`` with the record and the run (marked
+        ``failed``) kept; the next roll-forward runs this compensation once, or finds it
+        reserved if its COMMIT took effect unheard. They escaped as the driver's error: a
+        ``500``, and a ``raised`` outcome in the completer that counted an attempt. An error
+        of the compensation's own writes is the compensation's, as a phase's is the view's.
+        """
+        ours = True  # False while the compensation's own code runs
+        try:
+            with transaction.atomic(using=self._alias):
+                self._fence()
+                reserved = try_reserve(
+                    f"{self._run_id}:{done.name}",  # FlowRun ids are never reused
+                    COMPENSATION_CONSUMER,
+                    topic=self.view.name if self.view else None,
+                    using=self._alias,
+                )
+                if reserved:
+                    ours = False
+                    assert done.compensate is not None
+                    done.compensate(done.result, self.key_for(f"{done.name}:compensate"))
+                    ours = True  # next: the COMMIT
+        except OperationalError as exc:
+            if ours:
+                self._conflicted(exc, lost=True)
+            raise
+
+    def _compensated_before(self, reached: list[str]) -> list[str]:
+        """The done phases an earlier roll-forward of this run compensated (their reservations
+        committed) that are not in ``reached``, in the order they were compensated."""
+        names = [f"{self._run_id}:{name}" for name in self._results if name not in reached]
+        if not names:
+            return []
+        events = (
+            ProcessedEvent.objects.using(self._alias)
+            .filter(consumer=COMPENSATION_CONSUMER, event_id__in=names)
+            .order_by("processed_at", "pk")
+            .values_list("event_id", flat=True)
+        )
+        return [event.partition(":")[2] for event in events]
 
     def _request_data(self) -> dict[str, Any]:
         """What the completer needs to rebuild the request (see docs/flows.md for the limits).
