@@ -1,0 +1,413 @@
+"""An outside review of turning encryption off (``ENCRYPTION_MODE = "decrypt-only"``,
+``idempotency_rotate_keys --decrypt``), on every backend.
+
+Each test is one attack on the decryption beside live traffic. A concurrent write is made
+deterministic by running it, for real and on its own connection where it matters, between the
+pass's read of a batch and its compare-and-swap write (the store's write method is wrapped; the
+database is never mocked):
+
+* a phased request resumed, or paused again, between the read of its flow run and the write
+  (the write's compare-and-swap fails): the run must not be left sealed while the command says
+  "Done", or the keys' removal afterwards loses the stored request that the completer needs;
+* an erasure between the read and the write: the tombstone stays, nothing is revived;
+* the relay sending a message between the read and the write: sent once, opened;
+* a sealed value copied to another row does not open there (the associated data binds it);
+* undecryptable rows in the middle of a batch of each table are left and the rest done;
+* a partial pass, then back to ``encrypt`` and a rotation: everything sealed again, replays the
+  same;
+* the admin never shows a key, in decrypt-only mode, before and after the pass.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from io import StringIO
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.core.management import call_command
+from django.db import connection, transaction
+from django.test import Client
+from django.urls import reverse
+
+from django_idempotency.flows.completer import stored_request
+from django_idempotency.models import FlowRun, IdempotencyRecord, OutboxEntry
+from django_idempotency.outbox import core as outbox
+from django_idempotency.outbox.relay import Relay
+from django_idempotency.protection import core
+from django_idempotency.protection.keys import key_id
+from django_idempotency.protection.store import ProtectionStore
+from testproject.shop.probe_flows import ProbeError
+from tests.probes import effects, post
+from tests.protection_helpers import keys, new_key, raw_tables
+from tests.test_protection_outbox import Recording
+
+pytestmark = pytest.mark.django_db
+
+URL = "/probe/secret/"
+FLOW = "/probe/flow/"
+K1, K2 = new_key(), new_key()
+RAW1, RAW2 = base64.urlsafe_b64decode(K1), base64.urlsafe_b64decode(K2)
+KID1, KID2 = key_id(RAW1), key_id(RAW2)
+MARKER = b"@sealed"
+
+
+@contextmanager
+def decrypt_only(*listed: str, **more: Any) -> Iterator[None]:
+    with keys(*listed, ENCRYPTION_MODE="decrypt-only", **more):
+        yield
+
+
+@contextmanager
+def before_write(
+    monkeypatch: pytest.MonkeyPatch, method: str, meanwhile: Any, times: int = 1
+) -> Iterator[list[Any]]:
+    """Run ``meanwhile()`` between the pass's read of a batch and its write (``method`` of the
+    store), on the first ``times`` batches that write anything; yields what it returned."""
+    original = getattr(ProtectionStore, method)
+    done: list[Any] = []
+
+    def wrapped(self: ProtectionStore, rows: Any) -> int:
+        rows = list(rows)
+        if rows and len(done) < times:
+            done.append(meanwhile())
+        return int(original(self, rows))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ProtectionStore, method, wrapped)
+        yield done
+
+
+def run_decrypt(**options: Any) -> str:
+    out = StringIO()
+    call_command("idempotency_rotate_keys", decrypt=True, stdout=out, stderr=StringIO(), **options)
+    return out.getvalue()
+
+
+def raw_column(model: Any, column: str, pk: int) -> str:
+    quote = connection.ops.quote_name
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT {quote(column)} FROM {quote(model._meta.db_table)} WHERE id = %s", [pk]
+        )
+        (value,) = cursor.fetchone()
+    return bytes(value).decode("latin-1") if isinstance(value, (bytes, memoryview)) else str(value)
+
+
+def paused_flow(client: Client, key: str, card: str) -> FlowRun:
+    """A phased request that stopped after phase two, with keys K1: its run sealed."""
+    with keys(K1), pytest.raises(ProbeError):
+        post(client, FLOW, key, {"card": card}, headers={"X-Flow-Raise": "two"})
+    run = FlowRun.objects.get(record__key=key)
+    assert core.SEALED in run.request and core.SEALED in run.results
+    return run
+
+
+# --- Flow runs changed between the read and the write -------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+@pytest.mark.parametrize("retry", ["pauses-again", "completes"])
+def test_a_flow_run_changed_during_its_batch_is_not_left_sealed(
+    client: Client, monkeypatch: pytest.MonkeyPatch, retry: str
+) -> None:
+    """A retry resumes the run while its batch is decrypted: the retry writes the results in
+    plaintext but never the request, and moves ``updated_at``, so the pass's compare-and-swap
+    writes nothing. The request must not stay sealed under a "Done" (the keys go next, and the
+    completer could no longer rebuild the request)."""
+    card = f"4111{retry}"
+    run = paused_flow(client, "f", card)
+    headers = {"X-Flow-Raise": "three"} if retry == "pauses-again" else {}
+
+    def resume() -> Any:
+        try:
+            return post(Client(), FLOW, "f", {"card": card}, headers=headers).status_code
+        except ProbeError:
+            return "paused"
+
+    with decrypt_only(K1), before_write(monkeypatch, "reseal_flow_runs", resume) as retried:
+        out = run_decrypt()
+    assert retried == (["paused"] if retry == "pauses-again" else [201])
+    assert FlowRun.objects.get(pk=run.pk).updated_at != run.updated_at  # the retry wrote
+    assert "Done: nothing is stored encrypted any more" in out, out
+    with keys():  # the keys removed, as "Done" says: the stored request still opens
+        assert stored_request(FlowRun.objects.get(pk=run.pk))["method"] == "POST"
+    assert "flow runs: decrypted 1 in" in out, out
+    assert core.SEALED not in raw_column(FlowRun, "request", run.pk)
+    assert MARKER not in raw_tables()
+    with keys():
+        if retry == "pauses-again":
+            done: Any = post(client, FLOW, "f", {"card": card})
+            assert done.status_code == 201 and json.loads(done.content)["resumed"] is True
+    assert effects("flow-three") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+def test_a_flow_run_changed_in_every_attempt_is_reported_not_done(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose ``updated_at`` moves before each write the pass tries: it is not written
+    over (the phase's results stay), and the command says the next run goes on instead of
+    "Done"."""
+    run = paused_flow(client, "busy", "4111busy")
+
+    def touch() -> None:  # what a pause or a state change writes, from a request meanwhile
+        from django.utils import timezone
+
+        FlowRun.objects.filter(pk=run.pk).update(updated_at=timezone.now())
+
+    with decrypt_only(K1), before_write(monkeypatch, "reseal_flow_runs", touch, times=100):
+        out = run_decrypt()
+    assert "Done: nothing is stored encrypted" not in out, out
+    assert "changed meanwhile" in out, out
+    assert core.SEALED in raw_column(FlowRun, "request", run.pk)  # left for the next run
+    with decrypt_only(K1):
+        assert "Done: nothing is stored encrypted any more" in run_decrypt()
+    assert MARKER not in raw_tables()
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+def test_a_flow_run_changed_during_its_rotation_batch_is_not_left_with_the_old_key(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same race in a key rotation (the loop is shared): "Done: the older keys can be
+    removed" must not leave a run's request sealed with the older key."""
+    run = paused_flow(client, "rot", "4111rot")
+
+    def pause_again() -> str:
+        with pytest.raises(ProbeError):
+            post(Client(), FLOW, "rot", {"card": "4111rot"}, headers={"X-Flow-Raise": "three"})
+        return "paused"
+
+    out = StringIO()
+    with keys(K2, K1), before_write(monkeypatch, "reseal_flow_runs", pause_again) as paused:
+        call_command("idempotency_rotate_keys", stdout=out, stderr=StringIO())
+    assert paused == ["paused"]
+    assert f"Done: everything is sealed with key {KID2}" in out.getvalue(), out.getvalue()
+    with keys(K2):  # the older key removed, as "Done" says
+        assert stored_request(FlowRun.objects.get(pk=run.pk))["method"] == "POST"
+        done: Any = post(client, FLOW, "rot", {"card": "4111rot"})
+    assert done.status_code == 201 and json.loads(done.content)["resumed"] is True
+    assert KID1.encode() not in raw_tables()
+
+
+# --- Erasure between the read and the write ----------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+def test_an_erasure_between_the_read_and_the_write_stays_erased(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = "s3cr3t-erased"
+    with keys(K1):
+        post(client, URL, "gone", {"secret": text})
+    paused_flow(client, "gone-flow", "4111gone")
+    record = IdempotencyRecord.objects.get(key="gone")
+    owner = record.owner
+
+    def erase() -> int:
+        out = StringIO()
+        call_command("idempotency_erase", owner=owner, stdout=out)
+        return IdempotencyRecord.objects.filter(key="gone", response_body=None).count()
+
+    with decrypt_only(K1), before_write(monkeypatch, "reseal_records", erase) as erased:
+        [records, runs, _] = core.decrypt_stored()
+    assert erased == [1]
+    assert records.resealed == 0 and runs.resealed == 1  # the paused run's record is not done
+    after = IdempotencyRecord.objects.get(pk=record.pk)
+    assert core.ERASED in after.response_headers and after.response_body is None
+    assert text.encode() not in raw_tables() and MARKER not in raw_tables()
+    with keys():
+        again: Any = post(client, URL, "gone", {"secret": text})
+    assert again.status_code == 410 and again["Content-Type"] == "application/problem+json"
+    assert effects("secret") == 1
+
+
+def test_an_erased_record_is_not_decrypted_or_revived(client: Client) -> None:
+    with keys(K1):
+        post(client, URL, "e", {"secret": "s3cr3t-e"})
+    owner = IdempotencyRecord.objects.get(key="e").owner
+    with decrypt_only(K1):
+        core.erase_owner(owner)
+        [records, *_] = core.decrypt_stored()
+    assert (records.resealed, records.undecryptable) == (0, 0)
+    row = IdempotencyRecord.objects.get(key="e")
+    assert set(row.response_headers) == {core.ERASED} and row.response_body is None
+
+
+# --- The relay between the read and the write --------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("null_default_transport")
+def test_the_relay_sending_between_the_read_and_the_write_sends_once_opened(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with keys(K1, OUTBOX_ENCRYPT=True):
+        for n in range(3):
+            with transaction.atomic():
+                outbox.send("topic", {"n": n})
+    transport = Recording()
+
+    def drain() -> int:
+        return Relay(transports={"default": transport}).drain()
+
+    with decrypt_only(K1), before_write(monkeypatch, "reseal_outbox", drain):
+        [_, _, messages] = core.decrypt_stored(batch_size=2)
+        Relay(transports={"default": transport}).drain()  # nothing left to send
+    assert messages.resealed == 3 and messages.finished
+    assert [m.payload for m in transport.sent] == [{"n": 0}, {"n": 1}, {"n": 2}]
+    assert set(OutboxEntry.objects.values_list("state", flat=True)) == {OutboxEntry.State.SENT}
+    assert MARKER not in raw_tables()
+
+
+# --- The associated data still binds sealed values ---------------------------------------------
+
+
+def test_a_sealed_response_copied_to_another_record_does_not_open_there(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    with keys(K1):
+        post(client, URL, "victim", {"secret": "s3cr3t-victim"})
+        post(client, URL, "thief", {"secret": "s3cr3t-thief"})
+    victim = IdempotencyRecord.objects.get(key="victim")
+    IdempotencyRecord.objects.filter(key="thief").update(
+        response_headers=victim.response_headers, response_body=victim.response_body
+    )
+    thief = IdempotencyRecord.objects.get(key="thief")
+    with decrypt_only(K1):
+        replay: Any = post(client, URL, "thief", {"secret": "s3cr3t-thief"})
+        assert replay.status_code == 422 and b"s3cr3t-victim" not in replay.content
+        assert replay["Content-Type"] == "application/problem+json"
+        [records, *_] = core.decrypt_stored()
+    assert (records.resealed, records.undecryptable) == (1, 1)
+    assert f"record id={thief.pk} key_id={KID1}" in caplog.text
+    assert b"s3cr3t-victim" not in bytes(IdempotencyRecord.objects.get(pk=thief.pk).response_body)
+    assert b"s3cr3t-victim" in bytes(IdempotencyRecord.objects.get(pk=victim.pk).response_body)
+
+
+@pytest.mark.usefixtures("null_default_transport")
+def test_a_sealed_payload_copied_to_another_message_does_not_open_there() -> None:
+    with keys(K1, OUTBOX_ENCRYPT=True):
+        for n in range(2):
+            with transaction.atomic():
+                outbox.send("topic", {"n": n})
+    first, second = OutboxEntry.objects.order_by("pk")
+    OutboxEntry.objects.filter(pk=second.pk).update(payload=first.payload)
+    with decrypt_only(K1):
+        [_, _, messages] = core.decrypt_stored()
+    assert (messages.resealed, messages.undecryptable) == (1, 1)
+    assert OutboxEntry.objects.get(pk=first.pk).payload == {"n": 0}
+    assert core.SEALED in OutboxEntry.objects.get(pk=second.pk).payload
+
+
+# --- Undecryptable rows in the middle of a batch -----------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls", "null_default_transport")
+def test_undecryptable_rows_in_the_middle_of_each_batch_are_left_and_the_rest_done(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    for index, key in enumerate([K1, K2, K1]):
+        with keys(key, OUTBOX_ENCRYPT=True):
+            post(client, URL, f"r{index}", {"secret": f"s3cr3t-r{index}"})
+            with transaction.atomic():
+                outbox.send("topic", {"n": index})
+            with pytest.raises(ProbeError):
+                post(client, FLOW, f"f{index}", {"card": "4111"}, headers={"X-Flow-Raise": "two"})
+    with decrypt_only(K1):
+        out = run_decrypt(batch_size=3)
+    for table in ("idempotency records", "flow runs", "outbox messages"):
+        assert f"{table}: decrypted 2 in 1 batch " in out and "1 undecryptable left as they are" in out
+    assert "Done" not in out and "Put their key back and run again" in out
+    assert raw_tables().count(KID2.encode()) == 4  # the record's marker, run's two, message's
+    assert KID1.encode() not in raw_tables()
+    assert caplog.text.count(f"key_id={KID2}") == 3
+    with decrypt_only(K2, K1):  # the key put back: the next run does the rest
+        assert "Done: nothing is stored encrypted any more" in run_decrypt()
+    assert MARKER not in raw_tables()
+
+
+# --- Back to encrypt after a partial pass ------------------------------------------------------
+
+
+class Stop(Exception):
+    pass
+
+
+def test_back_to_encrypt_after_a_partial_pass_seals_everything_again(client: Client) -> None:
+    firsts: dict[str, tuple[str, Any]] = {}
+    with keys(K1):
+        for index in range(6):
+            text = f"s3cr3t-{index}"
+            firsts[f"k{index}"] = (text, post(client, URL, f"k{index}", {"secret": text}))
+
+    def stop(*args: Any) -> None:
+        raise Stop
+
+    with decrypt_only(K1), pytest.raises(Stop):
+        core.decrypt_stored(batch_size=3, progress=stop)
+    stored = [core.stored_key_id(h) for h in IdempotencyRecord.objects.values_list(
+        "response_headers", flat=True
+    ).order_by("pk")]
+    assert stored == [None] * 3 + [KID1] * 3
+    with keys(K2, K1):  # encryption back on, with a new key first
+        text = "s3cr3t-new"
+        firsts["new"] = (text, post(client, URL, "new", {"secret": text}))
+        [records, *_] = core.rotate_keys()
+        assert records.resealed == 6 and records.finished
+        for key, (text, first) in firsts.items():
+            again: Any = post(client, URL, key, {"secret": text})
+            assert again["Idempotent-Replayed"] == "true"
+            assert (again.status_code, again.content) == (first.status_code, first.content)
+    assert {
+        core.stored_key_id(h) for h in IdempotencyRecord.objects.values_list(
+            "response_headers", flat=True
+        )
+    } == {KID2}
+    assert b"s3cr3t" not in raw_tables()
+
+
+# --- The admin ---------------------------------------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls", "null_default_transport")
+def test_the_admin_never_shows_a_key_in_decrypt_only_mode(client: Client) -> None:
+    with keys(K1, OUTBOX_ENCRYPT=True):
+        post(client, URL, "r", {"secret": "s3cr3t-r"})
+        with transaction.atomic():
+            outbox.send("topic", {"n": 1})
+        with pytest.raises(ProbeError):
+            post(client, FLOW, "f", {"card": "4111"}, headers={"X-Flow-Raise": "two"})
+    admin = Client()
+    admin.force_login(User.objects.create_superuser("root", "root@example.com", "x"))
+    pages = [
+        reverse("admin:django_idempotency_idempotencyrecord_changelist"),
+        reverse("admin:django_idempotency_flowrun_changelist"),
+        reverse("admin:django_idempotency_outboxentry_changelist"),
+        reverse(
+            "admin:django_idempotency_idempotencyrecord_change",
+            args=[IdempotencyRecord.objects.get(key="r").pk],
+        ),
+        reverse("admin:django_idempotency_flowrun_change", args=[FlowRun.objects.get().pk]),
+        reverse("admin:django_idempotency_outboxentry_change", args=[OutboxEntry.objects.get().pk]),
+    ]
+    forms = [K1, RAW1.hex(), base64.b64encode(RAW1).decode(), K1.rstrip("=")]
+    with decrypt_only(K1):
+        for moment in ("before", "after"):
+            for page in pages:
+                response = admin.get(page)
+                assert response.status_code == 200, (moment, page)
+                text = response.content.decode()
+                assert not [form for form in forms if form in text], (moment, page)
+            core.decrypt_stored()
