@@ -377,6 +377,109 @@ def test_back_to_encrypt_after_a_partial_pass_seals_everything_again(client: Cli
     assert b"s3cr3t" not in raw_tables()
 
 
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+def test_phased_requests_resumed_beside_the_decryption_are_all_left_in_plaintext() -> None:
+    """Threads resume (half of them to pause again after phase three) 30 sealed paused runs
+    while the decryption runs in batches of 2: no 500, every run done once, and nothing
+    sealed once the command (run again if it says so) says Done."""
+    import threading
+
+    from django.db import connections
+
+    count = 30
+    client = Client()
+    for index in range(count):
+        paused_flow(client, f"p{index}", f"4111p{index}")
+    problems: list[str] = []
+    statuses: list[Any] = []
+
+    def resume(indexes: range) -> None:
+        mine = Client()
+        try:
+            for index in indexes:
+                headers = {"X-Flow-Raise": "three"} if index % 2 else {}
+                try:
+                    reply: Any = post(mine, FLOW, f"p{index}", {"card": f"4111p{index}"},
+                                      headers=headers)
+                    statuses.append(reply.status_code)
+                    if reply.status_code >= 500:
+                        problems.append(f"p{index}: {reply.status_code} {reply.content[:200]!r}")
+                except ProbeError:
+                    statuses.append("paused")
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts
+            problems.append(repr(exc))
+        finally:
+            connections.close_all()
+
+    with decrypt_only(K1):
+        threads = [
+            threading.Thread(target=resume, args=(range(n, count, 3),)) for n in range(3)
+        ]
+        for thread in threads:
+            thread.start()
+        outs = [run_decrypt(batch_size=2)]
+        for thread in threads:
+            thread.join(120)
+        while "Done: nothing is stored encrypted any more" not in outs[-1]:
+            assert len(outs) < 3, outs
+            outs.append(run_decrypt())
+    assert not problems, problems[:5]
+    assert MARKER not in raw_tables(), outs
+    with keys():  # the keys removed: each paused run resumes and completes
+        for index in range(1, count, 2):
+            if FlowRun.objects.get(record__key=f"p{index}").state != FlowRun.State.COMPLETED:
+                done: Any = post(client, FLOW, f"p{index}", {"card": f"4111p{index}"})
+                assert done.status_code == 201, done.content
+    assert effects("flow-three") == count
+
+
+# --- A connection cut in the middle of the pass -------------------------------------------------
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_connection_cut_at_a_batch_commit_loses_nothing_and_the_next_run_finishes(
+    when: str,
+) -> None:
+    """The pass's connection cut at its second batch's ``COMMIT``, before the server gets it
+    (the batch rolls back) or after it answered (the batch took effect, unheard): each record
+    is sealed or in plaintext, none broken, and the next run does exactly the rest."""
+    if connection.vendor == "sqlite":
+        pytest.skip("a network cut needs a server: PostgreSQL and MariaDB")
+    from django.db import DatabaseError, InterfaceError
+
+    from tests.db_proxy import proxy_for, repointed
+    from tests.test_db_faults import COMMIT
+    from tests.test_protection_rotation import seed
+
+    from django_idempotency.protection.keys import Keyring
+
+    bodies = seed(Keyring((RAW1,)), 9)
+    with proxy_for(connection.settings_dict) as proxy:
+        armed: list[Any] = []
+
+        def cut_next_commit(*args: Any) -> None:  # after the first batch committed
+            if not armed:
+                armed.append(proxy.cut(COMMIT, when=when))
+
+        with decrypt_only(K1), repointed("default", proxy.port):
+            with pytest.raises((DatabaseError, InterfaceError)):
+                core.decrypt_stored(batch_size=3, progress=cut_next_commit)
+        assert proxy.faults[f"cut_{when}"] == 1
+    left = 6 if when == "before" else 3
+    stored = IdempotencyRecord.objects.values_list("response_headers", flat=True)
+    assert sum(core.SEALED in headers for headers in stored) == left
+    with decrypt_only(K1):
+        [records, *_] = core.decrypt_stored(batch_size=3)
+    assert (records.resealed, records.undecryptable, records.finished) == (left, 0, True)
+    for key, headers, body in IdempotencyRecord.objects.values_list(
+        "key", "response_headers", "response_body"
+    ):
+        assert (headers, bytes(body)) == ({"Content-Type": "x/y"}, bodies[key])
+
+
 # --- The admin ---------------------------------------------------------------------------------
 
 
