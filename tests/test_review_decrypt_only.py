@@ -124,7 +124,7 @@ def test_a_flow_run_changed_during_its_batch_is_not_left_sealed(
     run = paused_flow(client, "f", card)
     headers = {"X-Flow-Raise": "three"} if retry == "pauses-again" else {}
 
-    def resume() -> Any:
+    def resume() -> int | str:
         try:
             return post(Client(), FLOW, "f", {"card": card}, headers=headers).status_code
         except ProbeError:
@@ -132,7 +132,7 @@ def test_a_flow_run_changed_during_its_batch_is_not_left_sealed(
 
     with decrypt_only(K1), before_write(monkeypatch, "reseal_flow_runs", resume) as retried:
         out = run_decrypt()
-    assert retried == (["paused"] if retry == "pauses-again" else [201])
+    assert retried == ["paused" if retry == "pauses-again" else 201]
     assert FlowRun.objects.get(pk=run.pk).updated_at != run.updated_at  # the retry wrote
     assert "Done: nothing is stored encrypted any more" in out, out
     with keys():  # the keys removed, as "Done" says: the stored request still opens
@@ -257,7 +257,7 @@ def test_the_relay_sending_between_the_read_and_the_write_sends_once_opened(
                 outbox.send("topic", {"n": n})
     transport = Recording()
 
-    def drain() -> int:
+    def drain() -> Any:
         return Relay(transports={"default": transport}).drain()
 
     with decrypt_only(K1), before_write(monkeypatch, "reseal_outbox", drain):
@@ -290,8 +290,8 @@ def test_a_sealed_response_copied_to_another_record_does_not_open_there(
         [records, *_] = core.decrypt_stored()
     assert (records.resealed, records.undecryptable) == (1, 1)
     assert f"record id={thief.pk} key_id={KID1}" in caplog.text
-    assert b"s3cr3t-victim" not in bytes(IdempotencyRecord.objects.get(pk=thief.pk).response_body)
-    assert b"s3cr3t-victim" in bytes(IdempotencyRecord.objects.get(pk=victim.pk).response_body)
+    assert "s3cr3t-victim" not in raw_column(IdempotencyRecord, "response_body", thief.pk)
+    assert "s3cr3t-victim" in raw_column(IdempotencyRecord, "response_body", victim.pk)
 
 
 @pytest.mark.usefixtures("null_default_transport")
@@ -327,7 +327,10 @@ def test_undecryptable_rows_in_the_middle_of_each_batch_are_left_and_the_rest_do
     with decrypt_only(K1):
         out = run_decrypt(batch_size=3)
     for table in ("idempotency records", "flow runs", "outbox messages"):
-        assert f"{table}: decrypted 2 in 1 batch " in out and "1 undecryptable left as they are" in out
+        assert (
+            f"{table}: decrypted 2 in 1 batch " in out
+            and "1 undecryptable left as they are" in out
+        )
     assert "Done" not in out and "Put their key back and run again" in out
     assert raw_tables().count(KID2.encode()) == 4  # the record's marker, run's two, message's
     assert KID1.encode() not in raw_tables()
@@ -356,9 +359,12 @@ def test_back_to_encrypt_after_a_partial_pass_seals_everything_again(client: Cli
 
     with decrypt_only(K1), pytest.raises(Stop):
         core.decrypt_stored(batch_size=3, progress=stop)
-    stored = [core.stored_key_id(h) for h in IdempotencyRecord.objects.values_list(
-        "response_headers", flat=True
-    ).order_by("pk")]
+    stored = [
+        core.stored_key_id(h)
+        for h in IdempotencyRecord.objects.values_list("response_headers", flat=True).order_by(
+            "pk"
+        )
+    ]
     assert stored == [None] * 3 + [KID1] * 3
     with keys(K2, K1):  # encryption back on, with a new key first
         text = "s3cr3t-new"
@@ -370,9 +376,8 @@ def test_back_to_encrypt_after_a_partial_pass_seals_everything_again(client: Cli
             assert again["Idempotent-Replayed"] == "true"
             assert (again.status_code, again.content) == (first.status_code, first.content)
     assert {
-        core.stored_key_id(h) for h in IdempotencyRecord.objects.values_list(
-            "response_headers", flat=True
-        )
+        core.stored_key_id(h)
+        for h in IdempotencyRecord.objects.values_list("response_headers", flat=True)
     } == {KID2}
     assert b"s3cr3t" not in raw_tables()
 
@@ -401,8 +406,9 @@ def test_phased_requests_resumed_beside_the_decryption_are_all_left_in_plaintext
             for index in indexes:
                 headers = {"X-Flow-Raise": "three"} if index % 2 else {}
                 try:
-                    reply: Any = post(mine, FLOW, f"p{index}", {"card": f"4111p{index}"},
-                                      headers=headers)
+                    reply: Any = post(
+                        mine, FLOW, f"p{index}", {"card": f"4111p{index}"}, headers=headers
+                    )
                     statuses.append(reply.status_code)
                     if reply.status_code >= 500:
                         problems.append(f"p{index}: {reply.status_code} {reply.content[:200]!r}")
@@ -414,9 +420,7 @@ def test_phased_requests_resumed_beside_the_decryption_are_all_left_in_plaintext
             connections.close_all()
 
     with decrypt_only(K1):
-        threads = [
-            threading.Thread(target=resume, args=(range(n, count, 3),)) for n in range(3)
-        ]
+        threads = [threading.Thread(target=resume, args=(range(n, count, 3),)) for n in range(3)]
         for thread in threads:
             thread.start()
         outs = [run_decrypt(batch_size=2)]
@@ -506,11 +510,10 @@ def test_a_connection_cut_at_a_batch_commit_loses_nothing_and_the_next_run_finis
     cut needs a server: PostgreSQL and MariaDB.)"""
     from django.db import DatabaseError, InterfaceError
 
+    from django_idempotency.protection.keys import Keyring
     from tests.db_proxy import proxy_for, repointed
     from tests.test_db_faults import COMMIT
     from tests.test_protection_rotation import seed
-
-    from django_idempotency.protection.keys import Keyring
 
     bodies = seed(Keyring((RAW1,)), 9)
     with proxy_for(connection.settings_dict) as proxy:
@@ -520,9 +523,12 @@ def test_a_connection_cut_at_a_batch_commit_loses_nothing_and_the_next_run_finis
             if not armed:
                 armed.append(proxy.cut(COMMIT, when=when))
 
-        with decrypt_only(K1), repointed("default", proxy.port):
-            with pytest.raises((DatabaseError, InterfaceError)):
-                core.decrypt_stored(batch_size=3, progress=cut_next_commit)
+        with (
+            decrypt_only(K1),
+            repointed("default", proxy.port),
+            pytest.raises((DatabaseError, InterfaceError)),
+        ):
+            core.decrypt_stored(batch_size=3, progress=cut_next_commit)
         assert proxy.faults[f"cut_{when}"] == 1
     left = 6 if when == "before" else 3
     stored = IdempotencyRecord.objects.values_list("response_headers", flat=True)
@@ -533,7 +539,7 @@ def test_a_connection_cut_at_a_batch_commit_loses_nothing_and_the_next_run_finis
     for key, headers, body in IdempotencyRecord.objects.values_list(
         "key", "response_headers", "response_body"
     ):
-        assert (headers, bytes(body)) == ({"Content-Type": "x/y"}, bodies[key])
+        assert (headers, bytes(body or b"-")) == ({"Content-Type": "x/y"}, bodies[key])
 
 
 # --- The admin ---------------------------------------------------------------------------------
@@ -559,7 +565,9 @@ def test_the_admin_never_shows_a_key_in_decrypt_only_mode(client: Client) -> Non
             args=[IdempotencyRecord.objects.get(key="r").pk],
         ),
         reverse("admin:django_idempotency_flowrun_change", args=[FlowRun.objects.get().pk]),
-        reverse("admin:django_idempotency_outboxentry_change", args=[OutboxEntry.objects.get().pk]),
+        reverse(
+            "admin:django_idempotency_outboxentry_change", args=[OutboxEntry.objects.get().pk]
+        ),
     ]
     forms = [K1, RAW1.hex(), base64.b64encode(RAW1).decode(), K1.rstrip("=")]
     with decrypt_only(K1):

@@ -241,7 +241,6 @@ class ProtectionStore:
         last = OutboxEntry.objects.using(self.using).order_by("-pk").values_list("pk")[:1]
         return int(last[0][0]) if last else 0
 
-
     def _in_one_transaction(self, write: Callable[[], int]) -> int:
         """``write()``'s count, in one transaction; 0 when another transaction undid it (a
         serialization failure at REPEATABLE READ, a deadlock, a lock wait that ran out): nothing
