@@ -269,6 +269,68 @@ def test_the_relay_sending_between_the_read_and_the_write_sends_once_opened(
     assert MARKER not in raw_tables()
 
 
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("null_default_transport")
+def test_relays_sending_beside_the_decryption_send_each_message_once_opened() -> None:
+    """Two relays, each on its own connection, send 60 sealed messages one at a time while
+    the decryption rewrites them in batches of 2: each is sent exactly once, with the payload
+    it was given (never the sealed form), and none is left sealed."""
+    import threading
+
+    from django.db import connections
+
+    count = 60
+    with keys(K1, OUTBOX_ENCRYPT=True):
+        for n in range(count):
+            with transaction.atomic():
+                outbox.send("topic", {"n": n})
+    transport, problems = Recording(), []
+    lock = threading.Lock()
+
+    class Locked(Recording):
+        def send(self, messages: Any) -> list[BaseException | None]:
+            with lock:
+                return transport.send(messages)
+
+    def relay() -> None:
+        try:
+            Relay(transports={"default": Locked()}, batch_size=1).drain()
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread, which asserts
+            problems.append(repr(exc))
+        finally:
+            connections.close_all()
+
+    with decrypt_only(K1):
+        threads = [threading.Thread(target=relay) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        [_, _, messages] = core.decrypt_stored(batch_size=2)
+        for thread in threads:
+            thread.join(120)
+        Relay(transports={"default": transport}).drain()  # what the relays had not reached
+    assert not problems, problems
+    assert messages.finished and messages.undecryptable == 0 and messages.changed == 0
+    assert sorted(m.payload["n"] for m in transport.sent) == list(range(count))
+    assert set(OutboxEntry.objects.values_list("state", flat=True)) == {OutboxEntry.State.SENT}
+    assert MARKER not in raw_tables()
+
+
+@pytest.mark.usefixtures("null_default_transport")
+def test_done_names_outbox_encrypt_when_it_is_still_set() -> None:
+    """W053 lets ``OUTBOX_ENCRYPT`` stay in decrypt-only mode. Removing only the two settings
+    that "Done" names would leave it without keys: E051, and ``outbox.send()`` raising."""
+    with keys(K1, OUTBOX_ENCRYPT=True), transaction.atomic():
+        outbox.send("topic", {"n": 1})
+    with decrypt_only(K1, OUTBOX_ENCRYPT=True):
+        out = run_decrypt()
+    assert "Done: nothing is stored encrypted any more" in out, out
+    assert "remove ENCRYPTION_KEYS, ENCRYPTION_MODE and OUTBOX_ENCRYPT together" in out, out
+    with decrypt_only(K1):
+        out = run_decrypt()
+    assert "remove ENCRYPTION_KEYS and ENCRYPTION_MODE together" in out, out
+
+
 # --- The associated data still binds sealed values ---------------------------------------------
 
 

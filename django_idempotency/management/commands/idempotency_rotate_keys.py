@@ -16,7 +16,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
-from django_idempotency.conf import ENCRYPTION_KEY_BYTES
+from django_idempotency.conf import ENCRYPTION_KEY_BYTES, conf
 from django_idempotency.management.arguments import add_batch_arguments
 from django_idempotency.protection.core import (
     RotationError,
@@ -148,10 +148,14 @@ class Command(BaseCommand):
                 self.style.WARNING("The time budget ran out first; the next run goes on.")
             )
         elif decrypt and not left:
+            # OUTBOX_ENCRYPT left behind the keys is E051, and outbox.send() fails (W053 said so).
+            settings = "ENCRYPTION_KEYS and ENCRYPTION_MODE"
+            if conf.OUTBOX_ENCRYPT:
+                settings = "ENCRYPTION_KEYS, ENCRYPTION_MODE and OUTBOX_ENCRYPT"
             self.stdout.write(
                 "Done: nothing is stored encrypted any more. Once every process runs with "
                 "ENCRYPTION_MODE 'decrypt-only' (none started before the change writes), remove "
-                "ENCRYPTION_KEYS and ENCRYPTION_MODE together and deploy."
+                f"{settings} together and deploy."
             )
         elif ring is not None and not left:
             self.stdout.write(
