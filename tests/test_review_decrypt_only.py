@@ -198,6 +198,54 @@ def test_a_flow_run_changed_during_its_rotation_batch_is_not_left_with_the_old_k
     assert KID1.encode() not in raw_tables()
 
 
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("remote_calls")
+def test_a_phased_request_in_progress_during_the_decryption(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed run holds its lease inside its foreign call (phase two) while the whole pass
+    runs: the pass neither waits for it nor touches its record, it decrypts the run's stored
+    request and results, and the request then completes, once, with nothing left sealed."""
+    import threading
+
+    from django.db import connections
+
+    from testproject.shop import probe_flows
+
+    with keys(K1), pytest.raises(ProbeError):
+        post(client, FLOW, "busy", {"card": "4111busy"}, headers={"X-Flow-Raise": "one"})
+    inside, go_on, replies = threading.Event(), threading.Event(), []
+    remote = probe_flows._remote
+
+    def slow_remote(key: str, request: Any) -> Any:
+        inside.set()
+        assert go_on.wait(30)
+        return remote(key, request)
+
+    monkeypatch.setattr(probe_flows, "_remote", slow_remote)
+
+    def resume() -> None:
+        try:
+            replies.append(post(Client(), FLOW, "busy", {"card": "4111busy"}))
+        finally:
+            connections.close_all()
+
+    with decrypt_only(K1):
+        thread = threading.Thread(target=resume)
+        thread.start()
+        assert inside.wait(30)
+        [records, runs, _] = core.decrypt_stored(batch_size=1)
+        assert (records.resealed, runs.resealed, runs.changed) == (0, 1, 0)
+        go_on.set()
+        thread.join(30)
+        [reply] = replies
+        assert reply.status_code == 201 and json.loads(reply.content)["resumed"] is True
+        again: Any = post(client, FLOW, "busy", {"card": "4111busy"})
+        assert again["Idempotent-Replayed"] == "true" and again.content == reply.content
+    assert MARKER not in raw_tables()
+    assert effects("flow-one") == 1 and effects("flow-remote-call") == 1
+
+
 # --- Erasure between the read and the write ----------------------------------------------------
 
 

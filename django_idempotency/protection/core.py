@@ -394,8 +394,10 @@ def rotate_keys(
     ``OUTBOX_ENCRYPT``) are read in id order, ``batch_size`` at a time (default
     ``PURGE_BATCH_SIZE``), and each batch is written in one short transaction with a
     compare-and-swap per row (:mod:`.store`): a row that a request changed meanwhile (taken
-    over, erased, a phase saved) is left to that request, which wrote it with the newest key.
-    A replay meanwhile reads the old value or the new one, and both open to the same bytes.
+    over, erased, a phase saved) is not written over; it is read again and, still not under
+    the newest key (a phase save rewrites a run's results, never its request), written again,
+    up to :data:`REREADS` times (:attr:`RotationResult.changed` counts those left). A replay
+    meanwhile reads the old value or the new one, and both open to the same bytes.
 
     Safe to stop at any point (a crash, a ``SIGKILL``, the time budget ``max_seconds``,
     default ``PURGE_MAX_SECONDS``, 0 for none): what is done stays done, and the next run finds
