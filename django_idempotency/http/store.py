@@ -534,15 +534,7 @@ class RecordStore:
         nothing of it takes effect: a retry may run it again. (On SQLite the claim holds the
         database's write lock already, so storing the response meets no other writer.)
         """
-        if not isinstance(exc, OperationalError):
-            return False
-        vendor = self.connection.vendor
-        if vendor == "postgresql":
-            return _sqlstate(exc) in (SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE)
-        if vendor == "mysql":
-            args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
-            return bool(args) and args[0] in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
-        return False
+        return transaction_conflicted(self.connection, exc)
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -588,6 +580,20 @@ NO_DATA_FOUND = "P0002"
 SERIALIZATION_FAILURE = "40001"
 DEADLOCK_DETECTED = "40P01"
 LOCK_NOT_AVAILABLE = "55P03"
+
+
+def transaction_conflicted(connection: BaseDatabaseWrapper, exc: BaseException) -> bool:
+    """Whether ``exc``, raised on ``connection``, is another transaction's doing that undid
+    this one (:meth:`RecordStore.conflicted`); the data-protection batches use it too."""
+    if not isinstance(exc, OperationalError):
+        return False
+    vendor = connection.vendor
+    if vendor == "postgresql":
+        return _sqlstate(exc) in (SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE)
+    if vendor == "mysql":
+        args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
+        return bool(args) and args[0] in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
+    return False
 
 
 def _sqlstate(exc: DatabaseError) -> str | None:

@@ -351,17 +351,27 @@ class RotationResult:
     seconds: float
     finished: bool
     """False when the time budget ran out first: run it again to go on."""
+    changed: int = 0
+    """Rows that a request changed between each read and write (:data:`REREADS`) and that are
+    still not in the form written: left as they are, for the next run."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "table": self.table,
             "resealed": self.resealed,
             "undecryptable": self.undecryptable,
+            "changed": self.changed,
             "batches": self.batches,
             "seconds": round(self.seconds, 3),
             "finished": self.finished,
         }
 
+
+REREADS = 2
+"""How many times the rows of a batch whose compare-and-swap wrote nothing (a request changed
+them after the read) are read again and written. A phase saved, paused or ended meanwhile
+writes a flow run's results and ``updated_at``, never its request: skipped, the request would
+stay in the old form while the run says it is done."""
 
 Progress = Callable[[str, int, int, int], None]
 """``progress(table, last id done, last id of the table, rows written so far)``."""
@@ -384,8 +394,10 @@ def rotate_keys(
     ``OUTBOX_ENCRYPT``) are read in id order, ``batch_size`` at a time (default
     ``PURGE_BATCH_SIZE``), and each batch is written in one short transaction with a
     compare-and-swap per row (:mod:`.store`): a row that a request changed meanwhile (taken
-    over, erased, a phase saved) is left to that request, which wrote it with the newest key.
-    A replay meanwhile reads the old value or the new one, and both open to the same bytes.
+    over, erased, a phase saved) is not written over; it is read again and, still not under
+    the newest key (a phase save rewrites a run's results, never its request), written again,
+    up to :data:`REREADS` times (:attr:`RotationResult.changed` counts those left). A replay
+    meanwhile reads the old value or the new one, and both open to the same bytes.
 
     Safe to stop at any point (a crash, a ``SIGKILL``, the time budget ``max_seconds``,
     default ``PURGE_MAX_SECONDS``, 0 for none): what is done stays done, and the next run finds
@@ -521,35 +533,56 @@ def _rotate(
     per row)."""
     started = time.monotonic()
     last = last_id()
-    after = resealed = undecryptable = batches = 0
+    after = resealed = undecryptable = changed = batches = 0
     finished = False
     while not (deadline is not None and time.monotonic() >= deadline):
         rows = fetch(after)
         if not rows:
             finished = True
             break
-        writes = []
-        for row in rows:
-            try:
-                sealed = reseal(row)
-            except Undecryptable as error:
-                logger.error(
-                    "idempotency undecryptable %s id=%s key_id=%s: %s",
-                    kind,
-                    row.id,
-                    error.key_id,
-                    log_text(error),
-                    extra={"idempotency_outcome": "undecryptable"},
-                )
-                undecryptable += 1
-                continue
-            if sealed is not None:
-                writes.append((row, *sealed))
-        resealed += write(writes)
+        batch: Sequence[Any] = rows
+        for reread in range(REREADS + 1):
+            writes = []
+            for row in batch:
+                try:
+                    sealed = reseal(row)
+                except Undecryptable as error:
+                    logger.error(
+                        "idempotency undecryptable %s id=%s key_id=%s: %s",
+                        kind,
+                        row.id,
+                        error.key_id,
+                        log_text(error),
+                        extra={"idempotency_outcome": "undecryptable"},
+                    )
+                    undecryptable += 1
+                    continue
+                if sealed is not None:
+                    writes.append((row, *sealed))
+            written = write(writes)
+            resealed += written
+            if written == len(writes):
+                break
+            # Changed after the read: those still not in the form written are read again.
+            batch = _reread(fetch, {write[0].id for write in writes})
+            if reread == REREADS:
+                changed += len(batch)
         batches += 1
         after = rows[-1].id
         if progress is not None:
             progress(table, after, max(last, after), resealed)
     return RotationResult(
-        table, resealed, undecryptable, batches, time.monotonic() - started, finished
+        table, resealed, undecryptable, batches, time.monotonic() - started, finished, changed
     )
+
+
+def _reread(fetch: Callable[[int], Sequence[Any]], ids: set[int]) -> list[Any]:
+    """The rows of ``ids`` that ``fetch`` still finds (still to be written), read again."""
+    found: list[Any] = []
+    after = min(ids) - 1
+    while rows := fetch(after):
+        found += [row for row in rows if row.id in ids]
+        after = rows[-1].id
+        if after >= max(ids):
+            break
+    return found

@@ -12,6 +12,11 @@ beside live traffic without overwriting what a request wrote meanwhile:
   write needs no condition: a relay sending it meanwhile opens the old value or the new one,
   with the same result.
 
+A batch is written in one transaction. When another transaction undoes it (PostgreSQL's
+serialization failure at REPEATABLE READ for a row a request changed meanwhile, a deadlock, a
+lock wait that ran out), nothing of it is written and the write counts 0: the core reads the
+rows again, as it does for a compare-and-swap that wrote nothing.
+
 Batches are read in primary key order after a given id (keyset pagination), so a batch costs
 the same at the end of a large table as at its start, and a run stopped anywhere can go on.
 """
@@ -20,14 +25,15 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import connections, transaction
+from django.db import OperationalError, connections, transaction
 from django.db.models import Q
 
+from django_idempotency.http.store import transaction_conflicted
 from django_idempotency.models import FlowRun, IdempotencyRecord, OutboxEntry
 
 COMPLETED = IdempotencyRecord.State.COMPLETED.value
@@ -96,10 +102,13 @@ class ProtectionStore:
         batch = [(row, json.dumps(headers), body) for row, headers, body in rows]
         if not batch:
             return 0
+        return self._in_one_transaction(lambda: self._write_records(batch))
+
+    def _write_records(self, batch: list[tuple[RecordRow, str, bytes | None]]) -> int:
         connection = connections[self.using]
         quote = connection.ops.quote_name
         table = quote(IdempotencyRecord._meta.db_table)
-        with transaction.atomic(using=self.using), connection.cursor() as cursor:
+        with connection.cursor() as cursor:
             if connection.vendor == "postgresql":
                 values = ", ".join(["(%s::bigint, %s::uuid, %s::jsonb, %s::bytea)"] * len(batch))
                 params: list[Any] = []
@@ -189,14 +198,15 @@ class ProtectionStore:
         return [FlowRunRow(*row) for row in rows]
 
     def reseal_flow_runs(self, rows: Iterable[tuple[FlowRunRow, Any, Any]]) -> int:
-        written = 0
         runs = FlowRun.objects.using(self.using)
-        with transaction.atomic(using=self.using):
-            for row, request, results in rows:
-                written += runs.filter(pk=row.id, updated_at=row.updated_at).update(
+        return self._in_one_transaction(
+            lambda: sum(
+                runs.filter(pk=row.id, updated_at=row.updated_at).update(
                     request=request, results=results
                 )
-        return written
+                for row, request, results in rows
+            )
+        )
 
     def last_flow_run_id(self) -> int:
         last = FlowRun.objects.using(self.using).order_by("-pk").values_list("pk")[:1]
@@ -222,16 +232,26 @@ class ProtectionStore:
         return [OutboxRow(*row) for row in rows]
 
     def reseal_outbox(self, rows: Iterable[tuple[OutboxRow, Any]]) -> int:
-        written = 0
         entries = OutboxEntry.objects.using(self.using)
-        with transaction.atomic(using=self.using):
-            for row, payload in rows:
-                written += entries.filter(pk=row.id).update(payload=payload)
-        return written
+        return self._in_one_transaction(
+            lambda: sum(entries.filter(pk=row.id).update(payload=payload) for row, payload in rows)
+        )
 
     def last_outbox_id(self) -> int:
         last = OutboxEntry.objects.using(self.using).order_by("-pk").values_list("pk")[:1]
         return int(last[0][0]) if last else 0
+
+    def _in_one_transaction(self, write: Callable[[], int]) -> int:
+        """``write()``'s count, in one transaction; 0 when another transaction undid it (a
+        serialization failure at REPEATABLE READ, a deadlock, a lock wait that ran out): nothing
+        of the batch was written, and the core reads its rows again."""
+        try:
+            with transaction.atomic(using=self.using):
+                return write()
+        except OperationalError as exc:
+            if transaction_conflicted(connections[self.using], exc):
+                return 0
+            raise
 
 
 def _not_stored_as(field: str, marker: str, key_id: str | None) -> Q:

@@ -16,7 +16,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
-from django_idempotency.conf import ENCRYPTION_KEY_BYTES
+from django_idempotency.conf import ENCRYPTION_KEY_BYTES, conf
 from django_idempotency.management.arguments import add_batch_arguments
 from django_idempotency.protection.core import (
     RotationError,
@@ -135,17 +135,29 @@ class Command(BaseCommand):
                     "key id): they were left as they are. Put their key back and run again."
                 )
             )
+        if any(result.changed for result in results):
+            self.stdout.write(
+                self.style.WARNING(
+                    "Some rows changed meanwhile on every attempt (requests were using them): "
+                    "they were left as they are. Run again to finish them."
+                )
+            )
+        left = any(result.undecryptable or result.changed for result in results)
         if not all(result.finished for result in results):
             self.stdout.write(
                 self.style.WARNING("The time budget ran out first; the next run goes on.")
             )
-        elif decrypt and not any(result.undecryptable for result in results):
+        elif decrypt and not left:
+            # OUTBOX_ENCRYPT left behind the keys is E051, and outbox.send() fails (W053 said so).
+            settings = "ENCRYPTION_KEYS and ENCRYPTION_MODE"
+            if conf.OUTBOX_ENCRYPT:
+                settings = "ENCRYPTION_KEYS, ENCRYPTION_MODE and OUTBOX_ENCRYPT"
             self.stdout.write(
                 "Done: nothing is stored encrypted any more. Once every process runs with "
                 "ENCRYPTION_MODE 'decrypt-only' (none started before the change writes), remove "
-                "ENCRYPTION_KEYS and ENCRYPTION_MODE together and deploy."
+                f"{settings} together and deploy."
             )
-        elif ring is not None and not any(result.undecryptable for result in results):
+        elif ring is not None and not left:
             self.stdout.write(
                 f"Done: everything is sealed with key {ring.newest_id}. The older keys can be "
                 "removed from ENCRYPTION_KEYS once no process started before this run writes."
@@ -159,6 +171,8 @@ class Command(BaseCommand):
         )
         if result.undecryptable:
             text += f", {result.undecryptable} undecryptable left as they are"
+        if result.changed:
+            text += f", {result.changed} changed meanwhile left for the next run"
         if not result.finished:
             text += ", stopped at the time budget"
         return text
