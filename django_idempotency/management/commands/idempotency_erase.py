@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.http.owner import display_owner
 from django_idempotency.management.arguments import batch_size
+from django_idempotency.management.lost_database import resumable_on_loss
 from django_idempotency.protection.core import erase_owner
 from django_idempotency.retention.purge import purged_databases
 
@@ -47,11 +48,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            result = erase_owner(
-                options["owner"],
-                using=purged_databases(options["database"])[0],
-                batch_size=options["batch_size"],
-            )
+            using = purged_databases(options["database"])[0]
+            with resumable_on_loss([using], "erasure"):
+                result = erase_owner(
+                    options["owner"], using=using, batch_size=options["batch_size"]
+                )
         except (ValueError, ImproperlyConfigured) as exc:
             raise CommandError(str(exc)) from exc
         if options["json"]:

@@ -11,6 +11,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from django_idempotency.conf import conf
 from django_idempotency.management.arguments import add_batch_arguments
+from django_idempotency.management.lost_database import resumable_on_loss
 from django_idempotency.retention.purge import purge_all, purged_databases
 from django_idempotency.retention.reports import PurgeResult
 
@@ -55,12 +56,13 @@ class Command(BaseCommand):
             self._stats(aliases)
             return
         try:
-            results = purge_all(
-                batch_size=options["batch_size"],
-                max_seconds=options["max_seconds"],
-                dry_run=options["dry_run"],
-                databases=options["databases"],
-            )
+            with resumable_on_loss(purged_databases(options["databases"]), "purge"):
+                results = purge_all(
+                    batch_size=options["batch_size"],
+                    max_seconds=options["max_seconds"],
+                    dry_run=options["dry_run"],
+                    databases=options["databases"],
+                )
         except (ValueError, ImproperlyConfigured) as exc:
             raise CommandError(str(exc)) from exc
         for result in results:

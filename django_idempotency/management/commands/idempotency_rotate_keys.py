@@ -18,6 +18,7 @@ from django.core.management.base import BaseCommand, CommandError, OutputWrapper
 
 from django_idempotency.conf import ENCRYPTION_KEY_BYTES, conf
 from django_idempotency.management.arguments import add_batch_arguments
+from django_idempotency.management.lost_database import resumable_on_loss
 from django_idempotency.protection.core import (
     RotationError,
     RotationResult,
@@ -115,12 +116,14 @@ class Command(BaseCommand):
         verb = "decrypted" if decrypt else "re-encrypted"
         progress = ProgressBar(self.stderr, started, verb) if options["verbosity"] else None
         try:
-            results = (decrypt_stored if decrypt else rotate_keys)(
-                using=purged_databases(options["database"])[0],
-                batch_size=options["batch_size"],
-                max_seconds=options["max_seconds"],
-                progress=progress,
-            )
+            using = purged_databases(options["database"])[0]
+            with resumable_on_loss([using], "rotation" if not decrypt else "decryption"):
+                results = (decrypt_stored if decrypt else rotate_keys)(
+                    using=using,
+                    batch_size=options["batch_size"],
+                    max_seconds=options["max_seconds"],
+                    progress=progress,
+                )
         except (RotationError, ValueError, ImproperlyConfigured) as exc:
             raise CommandError(str(exc)) from exc
         finally:
