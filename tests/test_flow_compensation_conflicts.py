@@ -385,6 +385,7 @@ def proxy() -> Iterator[PgProxy]:
         yield running
 
 
+@pytest.mark.slow  # waits for the lease after the cut (3 s)
 @pytest.mark.postgres
 @pytest.mark.mysql
 @pytest.mark.django_db(transaction=True, databases=["default", "other"])
