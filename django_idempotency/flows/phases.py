@@ -152,14 +152,15 @@ class FlowFailed(ProblemError):
 
 
 class _Conflicted(IdempotencyError):
-    """The database rolled a phase's transaction back at the flow's own statements (its fence,
-    the move of its recovery point) to settle a conflict with another transaction
+    """The flow's own statements (a phase's or a call's fence, the move of its recovery point,
+    their COMMIT; a roll forward's mark, a compensation's fence, reservation or COMMIT) met a
+    conflict with another transaction
     (:meth:`~django_idempotency.http.store.RecordStore.conflicted`: a deadlock's victim, a
-    serialization failure for read/write dependencies, a lock wait that ran out); or a roll
-    forward's own transaction (its mark, a compensation's fence, reservation or COMMIT) met
-    such a conflict or lost the database. Not a lost claim: the claim is still this run's.
-    :meth:`_FlowCore._abandon` answers it as the core answers such an error while a response
-    is stored (``503`` with ``Retry-After``), the run kept for a retry to resume."""
+    serialization failure for read/write dependencies, a lock wait that ran out), or lost the
+    database (:meth:`~django_idempotency.http.store.RecordStore.unreachable`). Not a lost
+    claim: the claim is still this run's. :meth:`_FlowCore._abandon` answers it as the core
+    answers such an error while a response is stored (``503`` with ``Retry-After``), the run
+    kept for a retry to resume."""
 
     def __init__(self, error: DatabaseError) -> None:
         super().__init__(str(error))
@@ -592,7 +593,7 @@ class Flow:
                 ours = True
                 self._fence()
                 self._save(recovery_point=name, result=(name, stored), started="")
-        except OperationalError as exc:
+        except DatabaseError as exc:
             if ours:
                 self._conflicted(exc)
             raise
@@ -745,27 +746,30 @@ class Flow:
         return returned
 
     @contextmanager
-    def _conflicts(self, *, lost: bool = False) -> Iterator[None]:
+    def _conflicts(self) -> Iterator[None]:
         """Around the flow's own statements and their transaction's COMMIT (the fence, the
-        run's writes): a conflict with another transaction there raises :class:`_Conflicted`
-        (:meth:`_conflicted`), and so does a lost database with ``lost``."""
+        run's writes): a conflict with another transaction there, or a lost database, raises
+        :class:`_Conflicted` (:meth:`_conflicted`)."""
         try:
             yield
-        except OperationalError as exc:
-            self._conflicted(exc, lost=lost)
+        except DatabaseError as exc:
+            self._conflicted(exc)
             raise
 
-    def _conflicted(self, exc: OperationalError, *, lost: bool = False) -> None:
+    def _conflicted(self, exc: DatabaseError) -> None:
         """Raise :class:`_Conflicted` (a ``503`` with the run kept, not the driver's error, a
-        ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of a phase, is
-        a conflict with another transaction (:meth:`RecordStore.conflicted
-        <django_idempotency.http.store.RecordStore.conflicted>`), or with ``lost`` (a roll
-        forward's transactions) a lost database (:meth:`RecordStore.unreachable
-        <django_idempotency.http.store.RecordStore.unreachable>`). The phase's function is not
-        covered: an error of its writes is the view's, as in lease mode."""
+        ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of their
+        transaction (a phase's, a foreign call's, a roll forward's), is a conflict with another
+        transaction (:meth:`RecordStore.conflicted
+        <django_idempotency.http.store.RecordStore.conflicted>`) or a lost database
+        (:meth:`RecordStore.unreachable
+        <django_idempotency.http.store.RecordStore.unreachable>`). A lost database at a
+        phase's fence, the move of its recovery point or its COMMIT escaped as the driver's
+        error (a ``500``; ``raised``, an attempt counted, in the completer). The phase's
+        function is not covered: an error of its writes is the view's, as in lease mode."""
         assert self.core is not None
         store = self.core.store
-        if store.conflicted(exc) or (lost and store.unreachable(exc)):
+        if store.conflicted(exc) or store.unreachable(exc):
             raise _Conflicted(exc) from exc
 
     def _fence(self) -> None:
@@ -876,7 +880,7 @@ class Flow:
             interrupted = self._stopped_at or interrupted
         self._stopped_at = interrupted  # kept by _FlowCore._store_failure's mark too
         if self._run_id is not None and not self.unstored_failure:
-            with self._conflicts(lost=True), transaction.atomic(using=self._alias):
+            with self._conflicts(), transaction.atomic(using=self._alias):
                 self._fence()
                 self._set_state(FlowRun.State.FAILED, stopped_at=interrupted or "")
         compensated = []
@@ -928,9 +932,9 @@ class Flow:
                     assert done.compensate is not None
                     done.compensate(done.result, self.key_for(f"{done.name}:compensate"))
                     ours = True  # next: the COMMIT
-        except OperationalError as exc:
+        except DatabaseError as exc:
             if ours:
-                self._conflicted(exc, lost=True)
+                self._conflicted(exc)
             raise
 
     def _compensated_before(self, reached: list[str]) -> list[str]:
