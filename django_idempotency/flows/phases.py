@@ -318,6 +318,7 @@ def run(
     *,
     failing: bool = False,
     refused: bool = False,
+    count_lost: bool = False,
 ) -> HttpResponseBase:
     """Claim ``command`` and run (or resume) the flow; the completer calls this too.
 
@@ -325,9 +326,12 @@ def run(
     sets it once a run has failed ``max_attempts`` times). ``refused`` (with ``failing``: the
     completer refuses the run's principal) rolls it forward whatever the view answers: a view
     that returns before its first phase not done (a check of the anonymous user it now gets)
-    must not leave the done phases in place as a stored success.
+    must not leave the done phases in place as a stored success. ``count_lost`` (the
+    completer): a lost database at a phase's own statements counts as an attempt
+    (:meth:`_FlowCore._count_lost`).
     """
     core = _FlowCore(policy(view.options), request=request)
+    core.count_lost = count_lost
 
     def body() -> HttpResponseBase:
         assert core.claim is not None
@@ -378,6 +382,7 @@ class _FlowCore(Idempotency):
 
     claim: _Claim | None = None
     flow: Flow | None = None
+    count_lost: bool = False
 
     def _begin(self, command: Command, *, final: bool) -> _Claim | Replay | None:
         step = super()._begin(command, final=final)
@@ -471,6 +476,26 @@ class _FlowCore(Idempotency):
             return
         super()._free(claim)
 
+    def _count_lost(self, error: DatabaseError) -> None:
+        """The completer's pass lost the database at a phase's own statements: count an
+        attempt, on a new connection, the lease kept (the lost transaction's outcome is
+        unknown). Not counted, a server that kills the connection at every pass (MariaDB's
+        ``idle_transaction_timeout`` shorter than a phase) paused the run on every pass, for
+        ever; counted, it is rolled forward after ``max_attempts`` passes, as a view that
+        raises every time is. A roll forward (``failing``) has nothing more to count toward.
+        Best effort: a database still out of reach leaves the count as it was."""
+        flow = self.flow
+        if flow is None or not flow.recorded or flow.failing:
+            return
+        self._drop_lost_connection()
+        try:
+            flow._count_attempt(error_text(error))
+        except DatabaseError as exc:
+            if not self.store.unreachable(exc) and not self.store.conflicted(exc):
+                raise
+            self._drop_lost_connection()
+            logger.debug("idempotency: the attempt's count was lost too", exc_info=exc)
+
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         flow = self.flow
         error = exc_info[1]
@@ -481,6 +506,8 @@ class _FlowCore(Idempotency):
             # The phase's (or a compensation's) transaction rolled back, or lost the database,
             # the claim still this run's: 503, the run kept (or, before its first phase, the
             # claim released), as while storing.
+            if self.count_lost and self.store.unreachable(error.error):
+                self._count_lost(error.error)
             self._saving_failed(command, error.error, claim)
         if flow is not None and flow.recorded:
             flow._pause(error_text(error), count=True)
@@ -858,6 +885,13 @@ class Flow:
                     last_error=error,
                     updated_at=timezone.now(),
                 )
+
+    def _count_attempt(self, error: str) -> None:
+        """Count an attempt without giving up the lease (:meth:`_FlowCore._count_lost`)."""
+        assert self._run_id is not None
+        FlowRun.objects.using(self._alias).filter(
+            pk=self._run_id, state=FlowRun.State.RUNNING
+        ).update(attempts=F("attempts") + 1, last_error=error, updated_at=timezone.now())
 
     def _roll_forward(self, interrupted: str | None) -> HttpResponse:
         """Compensate the phases that are done, newest first, each once; answer FlowFailed.
