@@ -32,7 +32,6 @@ from typing import Any
 import pytest
 from django.db import DatabaseError, connection, connections
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.test import RequestFactory
 from django.utils import timezone
 
 from django_idempotency import idempotent
@@ -41,6 +40,7 @@ from django_idempotency.flows.phases import Flow, FlowFailed
 from django_idempotency.models import FlowRun, IdempotencyRecord
 from testproject.shop.models import Effect
 from testproject.shop.probe_flows import ProbeError
+from tests.test_flow_compensation_conflicts import post
 
 ALL = [pytest.mark.sqlite, pytest.mark.postgres, pytest.mark.mysql]
 ALL.append(pytest.mark.django_db(transaction=True))
@@ -108,12 +108,6 @@ def flow_view(request: HttpRequest, flow: Flow) -> HttpResponse:
     return JsonResponse({}, status=201)
 
 
-def post(key: str) -> HttpRequest:
-    return RequestFactory().post(
-        "/rc/", b"{}", content_type="application/json", headers={"Idempotency-Key": key}
-    )
-
-
 def effects(name: str, key: str) -> int:
     return Effect.objects.filter(name=name, payload=key).count()
 
@@ -157,6 +151,18 @@ def assert_failed(
     assert json.loads(replay.content) == problem
 
 
+def roll_forward_again(key: str, by: str) -> Any:
+    """Roll the failed run forward again by the client's retry, or by the completer (then the
+    client's retry gets the stored failure as a replay)."""
+    if by == "completer":
+        [done] = complete_abandoned()
+        assert (done.outcome, done.status) == ("failed", FlowFailed.status), done
+        response = flow_view(post(key))  # type: ignore[call-arg]
+        assert response["Idempotent-Replayed"] == "true"
+        return response
+    return flow_view(post(key))  # type: ignore[call-arg]
+
+
 # --- A second roll-forward whose compensations partly ran ---------------------------------------
 
 
@@ -171,13 +177,7 @@ def test_a_second_roll_forward_that_reaches_fewer_phases_names_each_compensation
     key = f"rc-fewer-{by}-{uuid.uuid4()}"
     failed_once_then(key)
     CONTROL["raise_after_one"] = True
-    if by == "retry":
-        response = flow_view(post(key))  # type: ignore[call-arg]
-    else:
-        [done] = complete_abandoned()
-        assert (done.outcome, done.status) == ("failed", FlowFailed.status), done
-        response = flow_view(post(key))  # type: ignore[call-arg]
-        assert response["Idempotent-Replayed"] == "true"
+    response = roll_forward_again(key, by)
     CONTROL.pop("raise_after_one")
     assert_failed(response, key, "three", ["two", "one"])
 
@@ -211,13 +211,7 @@ def test_a_run_an_older_version_marked_failed_is_rolled_forward_once(by: str) ->
     (the call ``three``, not run again), runs ``one``'s compensation once and not ``two``'s."""
     key = f"rc-older-{by}-{uuid.uuid4()}"
     as_an_older_version_marked_it(failed_once_then(key))
-    if by == "retry":
-        response = flow_view(post(key))  # type: ignore[call-arg]
-    else:
-        [done] = complete_abandoned()
-        assert (done.outcome, done.status) == ("failed", FlowFailed.status), done
-        response = flow_view(post(key))  # type: ignore[call-arg]
-    assert_failed(response, key, "three", ["two", "one"])
+    assert_failed(roll_forward_again(key, by), key, "three", ["two", "one"])
     run = FlowRun.objects.get(record__key=key)
     assert (run.state, run.started) == (FlowRun.State.FAILED, "three")
 
@@ -254,6 +248,19 @@ def completer() -> Any:
         connections.close_all()
 
 
+def held_in_one() -> tuple[threading.Event, threading.Event]:
+    """``(inside, release)``: ``one``'s compensation, once its effect is written, sets
+    ``inside`` and waits for ``release``."""
+    inside, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        inside.set()
+        assert release.wait(60), "the test never let the compensation finish"
+
+    CONTROL["hook"] = hold
+    return inside, release
+
+
 WAIT_STATUSES = (409, 503)
 """A claim that finds the record held: ``409`` in progress, or on MariaDB ``503`` for a claim
 that meets the holder's row lock (it never waits for it)."""
@@ -267,13 +274,7 @@ def test_a_client_retry_while_the_completer_rolls_the_run_forward_waits() -> Non
     client's next retry gets the failure; each compensation once."""
     key = f"rc-race-completer-{uuid.uuid4()}"
     failed_once_then(key)
-    inside, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert release.wait(60), "the test never let the compensation finish"
-
-    CONTROL["hook"] = hold
+    inside, release = held_in_one()
     with ThreadPoolExecutor(2) as pool:
         passing = pool.submit(completer)
         assert inside.wait(60), passing.result(1)
@@ -298,13 +299,7 @@ def test_the_completer_leaves_a_failed_run_a_client_retry_is_rolling_forward() -
     completer does not take the run up; the retry stores the failure."""
     key = f"rc-race-client-{uuid.uuid4()}"
     failed_once_then(key)
-    inside, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        inside.set()
-        assert release.wait(60), "the test never let the compensation finish"
-
-    CONTROL["hook"] = hold
+    inside, release = held_in_one()
     with ThreadPoolExecutor(1) as pool:
         retrying = pool.submit(client, key)
         assert inside.wait(60), retrying.result(1)
