@@ -380,6 +380,7 @@ def idle_view(request: HttpRequest, flow: Flow) -> HttpResponse:
     return JsonResponse({}, status=201)
 
 
+@pytest.mark.slow  # each pass waits for the server to kill the idle transaction (2 s)
 @pytest.mark.mysql
 @pytest.mark.django_db(transaction=True)
 def test_a_run_whose_connection_is_killed_at_every_pass_is_not_paused_for_ever() -> None:
