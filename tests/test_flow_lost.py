@@ -45,7 +45,7 @@ from testproject.shop.probe_flows import ProbeError
 from tests.db_proxy import PgProxy, proxy_for, repointed
 
 pytestmark = [
-    pytest.mark.slow,  # each cut then waits for the server to end the cut session (2-3 s)
+    pytest.mark.slow,  # a cut connection, then the retry through the proxy: 2-3 s each
     pytest.mark.postgres,
     pytest.mark.mysql,
     pytest.mark.django_db(transaction=True, databases=["default", "other"]),
