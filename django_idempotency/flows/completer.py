@@ -171,6 +171,7 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
             kwargs,
             failing=bool(refusal) or run_row.attempts >= max_attempts,
             refused=bool(refusal),
+            count_lost=True,
         )
     except Exception as exc:  # reported, counted on the run, retried next time
         logger.exception(

@@ -152,14 +152,15 @@ class FlowFailed(ProblemError):
 
 
 class _Conflicted(IdempotencyError):
-    """The database rolled a phase's transaction back at the flow's own statements (its fence,
-    the move of its recovery point) to settle a conflict with another transaction
+    """The flow's own statements (a phase's or a call's fence, the move of its recovery point,
+    their COMMIT; a roll forward's mark, a compensation's fence, reservation or COMMIT) met a
+    conflict with another transaction
     (:meth:`~django_idempotency.http.store.RecordStore.conflicted`: a deadlock's victim, a
-    serialization failure for read/write dependencies, a lock wait that ran out); or a roll
-    forward's own transaction (its mark, a compensation's fence, reservation or COMMIT) met
-    such a conflict or lost the database. Not a lost claim: the claim is still this run's.
-    :meth:`_FlowCore._abandon` answers it as the core answers such an error while a response
-    is stored (``503`` with ``Retry-After``), the run kept for a retry to resume."""
+    serialization failure for read/write dependencies, a lock wait that ran out), or lost the
+    database (:meth:`~django_idempotency.http.store.RecordStore.unreachable`). Not a lost
+    claim: the claim is still this run's. :meth:`_FlowCore._abandon` answers it as the core
+    answers such an error while a response is stored (``503`` with ``Retry-After``), the run
+    kept for a retry to resume."""
 
     def __init__(self, error: DatabaseError) -> None:
         super().__init__(str(error))
@@ -317,6 +318,7 @@ def run(
     *,
     failing: bool = False,
     refused: bool = False,
+    count_lost: bool = False,
 ) -> HttpResponseBase:
     """Claim ``command`` and run (or resume) the flow; the completer calls this too.
 
@@ -324,9 +326,12 @@ def run(
     sets it once a run has failed ``max_attempts`` times). ``refused`` (with ``failing``: the
     completer refuses the run's principal) rolls it forward whatever the view answers: a view
     that returns before its first phase not done (a check of the anonymous user it now gets)
-    must not leave the done phases in place as a stored success.
+    must not leave the done phases in place as a stored success. ``count_lost`` (the
+    completer): a lost database at a phase's own statements counts as an attempt
+    (:meth:`_FlowCore._count_lost`).
     """
     core = _FlowCore(policy(view.options), request=request)
+    core.count_lost = count_lost
 
     def body() -> HttpResponseBase:
         assert core.claim is not None
@@ -377,6 +382,7 @@ class _FlowCore(Idempotency):
 
     claim: _Claim | None = None
     flow: Flow | None = None
+    count_lost: bool = False
 
     def _begin(self, command: Command, *, final: bool) -> _Claim | Replay | None:
         step = super()._begin(command, final=final)
@@ -470,6 +476,26 @@ class _FlowCore(Idempotency):
             return
         super()._free(claim)
 
+    def _count_lost(self, error: DatabaseError) -> None:
+        """The completer's pass lost the database at a phase's own statements: count an
+        attempt, on a new connection, the lease kept (the lost transaction's outcome is
+        unknown). Not counted, a server that kills the connection at every pass (MariaDB's
+        ``idle_transaction_timeout`` shorter than a phase) paused the run on every pass, for
+        ever; counted, it is rolled forward after ``max_attempts`` passes, as a view that
+        raises every time is. A roll forward (``failing``) has nothing more to count toward.
+        Best effort: a database still out of reach leaves the count as it was."""
+        flow = self.flow
+        if flow is None or not flow.recorded or flow.failing:
+            return
+        self._drop_lost_connection()
+        try:
+            flow._count_attempt(error_text(error))
+        except DatabaseError as exc:
+            if not self.store.unreachable(exc) and not self.store.conflicted(exc):
+                raise
+            self._drop_lost_connection()
+            logger.debug("idempotency: the attempt's count was lost too", exc_info=exc)
+
     def _abandon(self, command: Command, claim: _Claim, exc_info: Any) -> None:
         flow = self.flow
         error = exc_info[1]
@@ -480,6 +506,8 @@ class _FlowCore(Idempotency):
             # The phase's (or a compensation's) transaction rolled back, or lost the database,
             # the claim still this run's: 503, the run kept (or, before its first phase, the
             # claim released), as while storing.
+            if self.count_lost and self.store.unreachable(error.error):
+                self._count_lost(error.error)
             self._saving_failed(command, error.error, claim)
         if flow is not None and flow.recorded:
             flow._pause(error_text(error), count=True)
@@ -592,7 +620,7 @@ class Flow:
                 ours = True
                 self._fence()
                 self._save(recovery_point=name, result=(name, stored), started="")
-        except OperationalError as exc:
+        except DatabaseError as exc:
             if ours:
                 self._conflicted(exc)
             raise
@@ -745,27 +773,30 @@ class Flow:
         return returned
 
     @contextmanager
-    def _conflicts(self, *, lost: bool = False) -> Iterator[None]:
+    def _conflicts(self) -> Iterator[None]:
         """Around the flow's own statements and their transaction's COMMIT (the fence, the
-        run's writes): a conflict with another transaction there raises :class:`_Conflicted`
-        (:meth:`_conflicted`), and so does a lost database with ``lost``."""
+        run's writes): a conflict with another transaction there, or a lost database, raises
+        :class:`_Conflicted` (:meth:`_conflicted`)."""
         try:
             yield
-        except OperationalError as exc:
-            self._conflicted(exc, lost=lost)
+        except DatabaseError as exc:
+            self._conflicted(exc)
             raise
 
-    def _conflicted(self, exc: OperationalError, *, lost: bool = False) -> None:
+    def _conflicted(self, exc: DatabaseError) -> None:
         """Raise :class:`_Conflicted` (a ``503`` with the run kept, not the driver's error, a
-        ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of a phase, is
-        a conflict with another transaction (:meth:`RecordStore.conflicted
-        <django_idempotency.http.store.RecordStore.conflicted>`), or with ``lost`` (a roll
-        forward's transactions) a lost database (:meth:`RecordStore.unreachable
-        <django_idempotency.http.store.RecordStore.unreachable>`). The phase's function is not
-        covered: an error of its writes is the view's, as in lease mode."""
+        ``500``) when ``exc``, raised by the flow's own statements or the COMMIT of their
+        transaction (a phase's, a foreign call's, a roll forward's), is a conflict with another
+        transaction (:meth:`RecordStore.conflicted
+        <django_idempotency.http.store.RecordStore.conflicted>`) or a lost database
+        (:meth:`RecordStore.unreachable
+        <django_idempotency.http.store.RecordStore.unreachable>`). A lost database at a
+        phase's fence, the move of its recovery point or its COMMIT escaped as the driver's
+        error (a ``500``; ``raised``, an attempt counted, in the completer). The phase's
+        function is not covered: an error of its writes is the view's, as in lease mode."""
         assert self.core is not None
         store = self.core.store
-        if store.conflicted(exc) or (lost and store.unreachable(exc)):
+        if store.conflicted(exc) or store.unreachable(exc):
             raise _Conflicted(exc) from exc
 
     def _fence(self) -> None:
@@ -855,6 +886,13 @@ class Flow:
                     updated_at=timezone.now(),
                 )
 
+    def _count_attempt(self, error: str) -> None:
+        """Count an attempt without giving up the lease (:meth:`_FlowCore._count_lost`)."""
+        assert self._run_id is not None
+        FlowRun.objects.using(self._alias).filter(
+            pk=self._run_id, state=FlowRun.State.RUNNING
+        ).update(attempts=F("attempts") + 1, last_error=error, updated_at=timezone.now())
+
     def _roll_forward(self, interrupted: str | None) -> HttpResponse:
         """Compensate the phases that are done, newest first, each once; answer FlowFailed.
 
@@ -876,7 +914,7 @@ class Flow:
             interrupted = self._stopped_at or interrupted
         self._stopped_at = interrupted  # kept by _FlowCore._store_failure's mark too
         if self._run_id is not None and not self.unstored_failure:
-            with self._conflicts(lost=True), transaction.atomic(using=self._alias):
+            with self._conflicts(), transaction.atomic(using=self._alias):
                 self._fence()
                 self._set_state(FlowRun.State.FAILED, stopped_at=interrupted or "")
         compensated = []
@@ -928,9 +966,9 @@ class Flow:
                     assert done.compensate is not None
                     done.compensate(done.result, self.key_for(f"{done.name}:compensate"))
                     ours = True  # next: the COMMIT
-        except OperationalError as exc:
+        except DatabaseError as exc:
             if ours:
-                self._conflicted(exc, lost=True)
+                self._conflicted(exc)
             raise
 
     def _compensated_before(self, reached: list[str]) -> list[str]:
