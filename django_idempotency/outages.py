@@ -26,8 +26,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 #: 2013, 2055), is shutting down (1053), or killed this connection (1927).
 MYSQL_CONNECTION_LOST = frozenset({1053, 1927, 2002, 2003, 2005, 2006, 2013, 2055})
 #: PostgreSQL SQLSTATEs of a session the server ends: admin_shutdown, crash_shutdown,
-#: cannot_connect_now (and the class 08, connection_exception).
-POSTGRESQL_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03"})
+#: cannot_connect_now, idle_session_timeout (PostgreSQL 14), and
+#: idle_in_transaction_session_timeout (``25P03``, which psycopg raises as an ``InternalError``,
+#: class 25); and the class 08, connection_exception.
+POSTGRESQL_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
 #: What libpq, psycopg 3 and psycopg 2 say (lowercased) when a connection is lost, in an error
 #: that has no SQLSTATE.
 POSTGRESQL_LOST_WORDS = (
@@ -52,7 +54,9 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
     the database cannot be reached, rather than that a statement failed on a live connection
     (a deadlock, a serialization failure, a constraint)."""
     if not isinstance(exc, (OperationalError, InterfaceError)):
-        return False
+        # Only PostgreSQL's idle_in_transaction_session_timeout, among the sessions the server
+        # ends, comes as another class (InternalError): it was read as a statement's error.
+        return connection.vendor == "postgresql" and _sqlstate(exc) in POSTGRESQL_SESSION_ENDED
     raw = connection.connection
     if raw is None or raised_by_connect(exc):  # connecting failed (refused, timed out...)
         return True
@@ -66,7 +70,7 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
         # at, Django's atomic block may have replaced that connection with a new one (a failed
         # COMMIT: its ROLLBACK fails too, the connection is closed, and leaving the block
         # reconnects), so the error's own words count too.
-        state = str(getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None) or "")
+        state = _sqlstate(exc)
         if state:
             return state.startswith("08") or state in POSTGRESQL_SESSION_ENDED
         if getattr(raw, "broken", False) or raw.closed:
@@ -79,6 +83,13 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
         args: tuple[Any, ...] = getattr(cause, "args", ())
         return bool(args) and args[0] in MYSQL_CONNECTION_LOST
     return "unable to open" in str(exc)  # SQLite: the file cannot be opened
+
+
+def _sqlstate(exc: BaseException) -> str:
+    """The SQLSTATE of a PostgreSQL error (psycopg 3's ``sqlstate``, psycopg 2's ``pgcode``),
+    read from the driver's error that Django's wraps; "" when it has none."""
+    cause = exc.__cause__ or exc
+    return str(getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None) or "")
 
 
 def raised_by_connect(exc: BaseException) -> bool:
