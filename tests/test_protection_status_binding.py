@@ -58,7 +58,9 @@ def set_raw(key: str, **columns: Any) -> None:
 
 
 def body_of(key: str) -> bytes:
-    return bytes(record(key).response_body)
+    body = record(key).response_body
+    assert body is not None
+    return bytes(body)
 
 
 def reseal_as_v1(key: str) -> None:
@@ -222,9 +224,8 @@ def test_decrypt_writes_both_formats_in_plaintext_with_their_status(client: Clie
         [records, *_] = decrypt_stored()
         assert (records.resealed, records.undecryptable) == (2, 1)
         for name in ("v1", "v2"):
-            row = record(name)
-            assert SEALED not in row.response_headers
-            assert bytes(row.response_body) == firsts[name].content
+            assert SEALED not in record(name).response_headers
+            assert body_of(name) == firsts[name].content
             again = send(client, name, 402)
             assert (again.status_code, again.content) == (402, firsts[name].content)
     assert SEALED in record("forged").response_headers  # left as it is
