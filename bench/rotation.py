@@ -113,7 +113,7 @@ def seed(rows: int, old: str) -> float:
         expires = time.strftime("%Y-%m-%d %H:%M:%S+00", time.gmtime(now + 86_400))
         for index in range(rows):
             key = f"seed-{index}"
-            stored, body = seal_response(ring, owner, key, headers, response_of(index))
+            stored, body = seal_response(ring, owner, key, headers, response_of(index), status=201)
             copy.write_row(
                 (owner, key, fingerprint, "POST", "/x/", "completed", uuid.uuid4(), 201,
                  json.dumps(stored), body, created, created, expires)

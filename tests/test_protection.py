@@ -186,7 +186,11 @@ def test_the_sealed_format_opens_to_the_response(client: Client) -> None:
         first = send(client, "k", text)
         record = IdempotencyRecord.objects.get(key="k")
         headers, body = open_response(
-            record.owner, record.key, record.response_headers, bytes(record.response_body)
+            record.owner,
+            record.key,
+            record.response_headers,
+            bytes(record.response_body),
+            status=record.response_status,
         )
         assert keyring() is not None
     assert body == first.content

@@ -23,7 +23,7 @@ from django_idempotency.models import FlowRun, IdempotencyRecord
 from django_idempotency.protection import erase_owner, rotate_keys
 from django_idempotency.protection.checks import check_encryption
 from django_idempotency.protection.core import ERASED, SEALED, RotationError, stored_key_id
-from django_idempotency.protection.keys import key_id
+from django_idempotency.protection.keys import V1, key_id
 from testproject.shop.probe_flows import ProbeError
 from tests.probes import effects, post, problem
 from tests.protection_helpers import keys, leaked, new_key
@@ -112,7 +112,9 @@ def test_the_rotation_does_not_overwrite_a_record_that_changed_meanwhile(client:
     with keys(K1):
         send(client, "k", secret())
     store = ProtectionStore("default")
-    [row] = store.records_to_reseal(0, 10, sealed=SEALED, erased=ERASED, key_id=kid(K2))
+    [row] = store.records_to_reseal(
+        0, 10, sealed=SEALED, erased=ERASED, key_id=kid(K2), old_format=V1
+    )
     record = IdempotencyRecord.objects.get(key="k")
     erase_owner(record.owner)
     assert store.reseal_records([(row, row.headers, row.body)]) == 0

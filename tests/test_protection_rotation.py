@@ -147,7 +147,9 @@ def seed(ring: Keyring, count: int) -> dict[str, bytes]:
     for index in range(count):
         key = f"seed-{index}"
         body = f'{{"seed": {index}, "secret": "{uuid.uuid4().hex}"}}'.encode()
-        headers, sealed = seal_response(ring, "owner", key, {"Content-Type": "x/y"}, body)
+        headers, sealed = seal_response(
+            ring, "owner", key, {"Content-Type": "x/y"}, body, status=201
+        )
         bodies[key] = body
         rows.append(
             IdempotencyRecord(
@@ -193,6 +195,10 @@ def test_the_rotation_goes_on_after_a_sigkill() -> None:
     with keys(k2):
         for record in IdempotencyRecord.objects.all():
             headers, body = open_response(
-                record.owner, record.key, record.response_headers, bytes(record.response_body)
+                record.owner,
+                record.key,
+                record.response_headers,
+                bytes(record.response_body),
+                status=record.response_status,
             )
             assert body == bodies[record.key] and headers == {"Content-Type": "x/y"}

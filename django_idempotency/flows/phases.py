@@ -446,7 +446,11 @@ class _FlowCore(Idempotency):
             with transaction.atomic(using=self.policy.using):
                 flow._set_state(FlowRun.State.FAILED, stopped_at=flow._stopped_at or "")
                 headers, body = stored_response(
-                    command.owner, command.key, dict(captured.headers), captured.body
+                    command.owner,
+                    command.key,
+                    dict(captured.headers),
+                    captured.body,
+                    status=captured.status,
                 )
                 self.store.complete(
                     claim.record_id,

@@ -428,7 +428,9 @@ class Idempotency:
         stored, body = existing.response_headers, existing.response_body
         try:  # sealed or erased (django_idempotency.protection): opened, or a problem
             if protection.protected(stored):
-                stored, body = protection.open_response(command.owner, command.key, stored, body)
+                stored, body = protection.open_response(
+                    command.owner, command.key, stored, body, status=existing.response_status
+                )
         except (protection.Erased, protection.Undecryptable) as error:
             lost = isinstance(error, protection.Undecryptable)  # an operator's doing: ERROR
             outcome, level = ("undecryptable", logging.ERROR) if lost else ("erased", logging.INFO)
@@ -475,7 +477,7 @@ class Idempotency:
                 if captured.body is None:
                     headers[NOT_REPLAYABLE] = captured.not_replayable_reason or "not stored"
                 headers, body = protection.stored_response(
-                    command.owner, command.key, headers, captured.body
+                    command.owner, command.key, headers, captured.body, status=captured.status
                 )
                 with telemetry.timed("store"):
                     claim.record_id = self.store.complete(

@@ -82,7 +82,7 @@ def shown_response(obj: Any) -> Shown:
     body = None if obj.response_body is None else bytes(obj.response_body)
     key = stored_key_id(headers)
     try:
-        opened, body = open_response(obj.owner, obj.key, headers, body)
+        opened, body = open_response(obj.owner, obj.key, headers, body, status=obj.response_status)
         shown = Shown(dict(opened), body, key)
     except Erased:
         shown = Shown({}, None, None, erased=erased_at(headers))

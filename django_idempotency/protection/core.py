@@ -6,15 +6,19 @@ values, and the commands and the admin call :func:`rotate_keys` and :func:`erase
 **What is sealed** (with the newest of ``ENCRYPTION_KEYS``, :mod:`.keys`), when keys are set:
 
 * a completed record's response: its headers and body go, together, into ``response_body``,
-  and ``response_headers`` keeps only the marker ``{"@sealed": "<key id>"}``;
+  and ``response_headers`` keeps only the marker ``{"@sealed": "<key id>"}``; the seal
+  (format 0x02, :mod:`.keys`) is bound to the record's owner, key and status, so a status
+  changed in the database does not open (0x01, owner and key only, still opens until the
+  rotation rewrites it);
 * a flow run's ``request`` (method, path and query, host, body, principal) and ``results``,
   each as ``{"@sealed": "<key id>", "@data": "<base64>"}``;
 * with ``OUTBOX_ENCRYPT``, an outbox message's ``payload``, in that same form.
 
-Nothing that locates a row is sealed: a record's owner, key, fingerprint, method, path, status
-and times; an event id, a destination, an ordering key. Claims, replays, the relay's order and
-every index work as they do without keys. With no keys set, nothing here runs on a request:
-the same statements store the same bytes as before.
+Nothing that locates a row is sealed (the status is bound, not sealed): a record's owner,
+key, fingerprint, method, path, status and times; an event id, a destination, an ordering
+key. Claims, replays, the relay's order and every index work as they do without keys. With
+no keys set, nothing here runs on a request: the same statements store the same bytes as
+before.
 
 A marker key starts with ``@``, which no header name can contain (``@not-replayable`` already
 marks a response that was not stored), so a stored header is never taken for one.
@@ -25,7 +29,8 @@ flow run is deleted. The record keeps its owner, key and expiry, so a retry of t
 answered ``410`` (``response-erased``) until the record expires, and the view never runs again.
 
 **Rotation** (:func:`rotate_keys`) re-seals, with the newest key, every completed record, flow
-run and unsent outbox message that is sealed with an older key (or not at all), in batches.
+run and unsent outbox message that is sealed with an older key (or not at all), and every
+response sealed in format 0x01 (not bound to its status), in batches.
 
 **Decrypt-only** (``ENCRYPTION_MODE = "decrypt-only"``): new values are stored in plaintext and
 sealed ones still open with the listed keys; :func:`decrypt_stored` then writes every sealed
@@ -60,6 +65,8 @@ from django_idempotency.exceptions import (
 from django_idempotency.http.owner import display_owner
 from django_idempotency.managers import _batch_size, _max_seconds
 from django_idempotency.protection.keys import (
+    V1,
+    V2,
     Keyring,
     Undecryptable,
     keyring,
@@ -124,7 +131,18 @@ def _context(kind: bytes, *parts: str) -> bytes:
 
 
 def record_context(owner: str, key: str) -> bytes:
+    """The context of a response sealed in format 0x01: its owner and key, not its status."""
     return _context(b"django-idempotency/record", owner, key)
+
+
+def record_contexts(owner: str, key: str, status: int | None) -> dict[int, bytes]:
+    """The context of a stored response, by format: 0x02 (what is sealed now) names its status
+    too; 0x01 (sealed before) does not, and still opens."""
+    named = "" if status is None else str(status)
+    return {
+        V1: record_context(owner, key),
+        V2: _context(b"django-idempotency/record", owner, key, named),
+    }
 
 
 def flow_context(record_id: int, field: str) -> bytes:
@@ -144,21 +162,30 @@ def protected(headers: dict[str, Any]) -> bool:
 
 
 def seal_response(
-    ring: Keyring, owner: str, key: str, headers: dict[str, str], body: bytes | None
+    ring: Keyring,
+    owner: str,
+    key: str,
+    headers: dict[str, str],
+    body: bytes | None,
+    *,
+    status: int | None,
 ) -> tuple[dict[str, str], bytes]:
-    """The ``response_headers`` and ``response_body`` that store a response sealed."""
+    """The ``response_headers`` and ``response_body`` that store a response sealed, bound to
+    the record's owner, key and ``status`` (``response_status``)."""
     text = _COMPACT.encode(headers).encode("ascii")
     envelope = (_BODY if body is not None else _NO_BODY) + text + b"\n" + (body or b"")
-    return {SEALED: ring.newest_id}, ring.seal(envelope, record_context(owner, key))
+    context = record_contexts(owner, key, status)[V2]
+    return {SEALED: ring.newest_id}, ring.seal(envelope, context, version=V2)
 
 
 def open_response(
-    owner: str, key: str, headers: dict[str, Any], body: bytes | None
+    owner: str, key: str, headers: dict[str, Any], body: bytes | None, *, status: int | None
 ) -> tuple[dict[str, Any], bytes | None]:
-    """The response a record stores: as it is, or opened when sealed.
+    """The response a record stores: as it is, or opened when sealed (with the record's
+    ``status``, which a response sealed in format 0x02 is bound to).
 
     Raises :class:`Erased` for an erased record and :class:`Undecryptable` for one that no
-    configured key opens.
+    configured key opens (or whose status or place was changed).
     """
     if ERASED in headers:
         raise Erased(f"the record was erased at {headers[ERASED]}")
@@ -166,28 +193,34 @@ def open_response(
         return headers, body
     if body is None:
         raise Undecryptable("the sealed response has no body", key_id=str(headers[SEALED]))
-    envelope = open_sealed(keyring(), body, record_context(owner, key))
+    envelope = open_sealed(keyring(), body, record_contexts(owner, key, status))
     end = envelope.index(b"\n")
     opened: dict[str, Any] = json.loads(envelope[1:end].decode("ascii"))
     return opened, envelope[end + 1 :] if envelope[:1] == _BODY else None
 
 
 def stored_response(
-    owner: str, key: str, headers: dict[str, str], body: bytes | None
+    owner: str, key: str, headers: dict[str, str], body: bytes | None, *, status: int | None
 ) -> tuple[dict[str, str], bytes | None]:
     """A response as a record stores it: sealed when ``ENCRYPTION_KEYS`` is set (and
     ``ENCRYPTION_MODE`` is not ``"decrypt-only"``), as it is otherwise (the same values, so the
     same statement stores the same bytes as before)."""
-    return response_as_stored(sealing_keyring(), owner, key, headers, body)
+    return response_as_stored(sealing_keyring(), owner, key, headers, body, status=status)
 
 
 def response_as_stored(
-    ring: Keyring | None, owner: str, key: str, headers: dict[str, Any], body: bytes | None
+    ring: Keyring | None,
+    owner: str,
+    key: str,
+    headers: dict[str, Any],
+    body: bytes | None,
+    *,
+    status: int | None,
 ) -> tuple[dict[str, Any], bytes | None]:
     """A response sealed with ``ring``'s newest key, or as it is when ``ring`` is None."""
     if ring is None:
         return headers, body
-    return seal_response(ring, owner, key, headers, body)
+    return seal_response(ring, owner, key, headers, body, status=status)
 
 
 def replay_problem(error: Erased | Undecryptable, status: int | None) -> ProblemError:
@@ -390,8 +423,9 @@ def rotate_keys(
 ) -> list[RotationResult]:
     """Seal again, with the newest key, what is sealed with an older one or not at all.
 
-    Completed records, flow runs and unsent outbox messages (plaintext ones only with
-    ``OUTBOX_ENCRYPT``) are read in id order, ``batch_size`` at a time (default
+    Completed records (those sealed in format 0x01 too, rewritten bound to their status), flow
+    runs and unsent outbox messages (plaintext ones only with ``OUTBOX_ENCRYPT``) are read in
+    id order, ``batch_size`` at a time (default
     ``PURGE_BATCH_SIZE``), and each batch is written in one short transaction with a
     compare-and-swap per row (:mod:`.store`): a row that a request changed meanwhile (taken
     over, erased, a phase saved) is not written over; it is read again and, still not under
@@ -468,10 +502,12 @@ def _rewrite(
 
     def record(row: RecordRow) -> tuple[Any, ...] | None:
         try:
-            headers, body = open_response(row.owner, row.key, row.headers, row.body)
+            headers, body = open_response(
+                row.owner, row.key, row.headers, row.body, status=row.status
+            )
         except Erased:  # erased after the batch was read: nothing left to seal
             return None
-        return response_as_stored(target, row.owner, row.key, headers, body)
+        return response_as_stored(target, row.owner, row.key, headers, body, status=row.status)
 
     def flow_run(row: FlowRunRow) -> tuple[Any, ...]:
         written = []
@@ -490,7 +526,7 @@ def _rewrite(
             "record",
             store.last_record_id,
             lambda after: store.records_to_reseal(
-                after, size, sealed=SEALED, erased=ERASED, key_id=wanted
+                after, size, sealed=SEALED, erased=ERASED, key_id=wanted, old_format=V1
             ),
             record,
             store.reseal_records,

@@ -31,12 +31,23 @@ from datetime import datetime
 from typing import Any
 
 from django.db import OperationalError, connections, transaction
-from django.db.models import Q
+from django.db.models import BinaryField, Q
+from django.db.models.functions import Substr
 
 from django_idempotency.http.store import transaction_conflicted
 from django_idempotency.models import FlowRun, IdempotencyRecord, OutboxEntry
 
 COMPLETED = IdempotencyRecord.State.COMPLETED.value
+
+_RECORD_COLUMNS = (  # in the order of RecordRow's fields
+    "pk",
+    "owner",
+    "key",
+    "token",
+    "response_status",
+    "response_headers",
+    "response_body",
+)
 
 __all__ = ["FlowRunRow", "OutboxRow", "ProtectionStore", "RecordRow"]
 
@@ -47,6 +58,7 @@ class RecordRow:
     owner: str
     key: str
     token: uuid.UUID
+    status: int | None
     headers: dict[str, Any]
     body: bytes | None
 
@@ -76,21 +88,37 @@ class ProtectionStore:
     # -- records -----------------------------------------------------------------------------
 
     def records_to_reseal(
-        self, after: int, size: int, *, sealed: str, erased: str, key_id: str | None
+        self,
+        after: int,
+        size: int,
+        *,
+        sealed: str,
+        erased: str,
+        key_id: str | None,
+        old_format: int,
     ) -> list[RecordRow]:
         """Up to ``size`` completed records after id ``after`` that are not sealed with
-        ``key_id`` (None: that are sealed at all) and not erased, in id order."""
+        ``key_id`` (None: that are sealed at all), or are sealed with it in ``old_format`` (the
+        first byte of the sealed body), and not erased, in id order.
+
+        The format is read from the sealed body itself, not from a marker beside it: a body
+        whose first byte was changed does not open (the byte is in the associated data), so no
+        edit of the row can make the rotation skip a response of the old format."""
+        wanted = _not_stored_as("response_headers", sealed, key_id)
+        if key_id is not None:
+            wanted |= Q(sealed_format=bytes([old_format]))
         rows = (
             IdempotencyRecord.objects.using(self.using)
             .filter(pk__gt=after, state=COMPLETED)
             .exclude(response_headers__has_key=erased)
-            .filter(_not_stored_as("response_headers", sealed, key_id))
+            .annotate(sealed_format=Substr("response_body", 1, 1, output_field=BinaryField()))
+            .filter(wanted)
             .order_by("pk")
-            .values_list("pk", "owner", "key", "token", "response_headers", "response_body")[:size]
+            .values_list(*_RECORD_COLUMNS)[:size]
         )
         return [
-            RecordRow(pk, owner, key, token, dict(headers or {}), _bytes(body))
-            for pk, owner, key, token, headers, body in rows
+            RecordRow(pk, owner, key, token, status, dict(headers or {}), _bytes(body))
+            for pk, owner, key, token, status, headers, body in rows
         ]
 
     def reseal_records(
