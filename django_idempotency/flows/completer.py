@@ -37,6 +37,7 @@ from typing import Any
 from django.apps import apps
 from django.contrib.auth.models import AnonymousUser
 from django.core.exceptions import ValidationError
+from django.db import DatabaseError, connections
 from django.http import HttpRequest
 from django.http.response import HttpResponseBase
 from django.test import RequestFactory
@@ -52,6 +53,7 @@ from django_idempotency.flows.phases import get_flow_view, run, stored_view_args
 from django_idempotency.http.core import REPLAYED_HEADER, Command
 from django_idempotency.managers import DatabaseNow
 from django_idempotency.models import FlowRun, IdempotencyRecord
+from django_idempotency.outages import connection_lost, describe
 from django_idempotency.protection.core import Undecryptable, flow_context, open_value
 
 __all__ = [
@@ -123,9 +125,36 @@ def complete_abandoned(
         )
     if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or max_attempts < 1:
         raise ValueError(f"max_attempts must be a positive integer, not {max_attempts!r}.")
-    done = [complete_one(run, max_attempts=max_attempts) for run in abandoned(using)[:limit]]
-    delete_orphans(using)
+    alias = using or conf.DATABASE
+    done = []
+    for run_row in abandoned(using)[:limit]:
+        done.append(complete_one(run_row, max_attempts=max_attempts))
+        _drop_if_lost(alias)
+    try:
+        delete_orphans(alias)
+    except DatabaseError as exc:
+        if not connection_lost(connections[alias], exc):
+            raise
+        # Housekeeping the next pass does again: the runs' outcomes are what this pass reports.
+        logger.warning(
+            "completer: the database was lost before orphaned runs were deleted, the next "
+            "pass deletes them: %s",
+            log_text(describe(exc)),
+        )
     return done
+
+
+def _drop_if_lost(alias: str) -> None:
+    """Close the connection to ``alias`` when the run just handled lost it (its ``503``), so
+    that the next run of the pass connects again, as the next request would (Django closes an
+    unusable connection at each request's end; nothing does between the completer's runs).
+    Every later run of the pass answered ``503`` on the dead connection. Not inside a caller's
+    transaction, which a close would break."""
+    connection = connections[alias]
+    if connection.connection is None or connection.in_atomic_block:
+        return
+    if not connection.is_usable():
+        connection.close()
 
 
 def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> Completion:
@@ -183,12 +212,21 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
         return outcome("replayed", status)
     if _in_progress(response):
         return outcome("busy", status)
-    states = (
-        FlowRun.objects.using(run_row._state.db)
-        .filter(pk=run_row.pk)
-        .values_list("state", "record__state")
-        .first()
-    )
+    alias = run_row._state.db or conf.DATABASE
+    try:
+        states = (
+            FlowRun.objects.using(alias)
+            .filter(pk=run_row.pk)
+            .values_list("state", "record__state")
+            .first()
+        )
+    except DatabaseError as exc:
+        if not connection_lost(connections[alias], exc):
+            raise
+        # Lost after the run answered (most often its own 503 for the same outage): the run
+        # stays as the database has it, and the next pass reads it again. This raised out of
+        # the pass, and the outcomes of the runs before it were not reported.
+        return outcome("paused", status, detail=describe(exc))
     names = {FlowRun.State.COMPLETED.value: "completed", FlowRun.State.FAILED.value: "failed"}
     name = names.get(str(states[0]), "paused") if states else "paused"
     if states and states[1] != IdempotencyRecord.State.COMPLETED:

@@ -1,8 +1,9 @@
-"""What the batch commands (purge, key rotation, erasure) answer when they lose the database.
+"""What the commands that work in steps (the purge, the key rotation, the erasure, the
+completer) answer when they lose the database.
 
-Each of them works in batches of one short transaction and reads only what is left to do, so a
-connection lost in the middle (a failover, a restart, a cut network) loses nothing: the batches
-that committed stay done, the one cut off rolled back (or took effect unheard), and the next
+Each of them works in short transactions (a batch, a flow's phase) and reads only what is left
+to do, so a connection lost in the middle (a failover, a restart, a cut network) loses nothing:
+what committed stays done, the step cut off rolled back (or took effect unheard), and the next
 run goes on. The driver's traceback said none of that; :func:`resumable_on_loss` turns it into
 a :class:`~django.core.management.base.CommandError` (exit status 1) that does.
 """
@@ -32,7 +33,7 @@ def resumable_on_loss(aliases: Iterable[str], what: str) -> Iterator[None]:
             if connection_lost(connections[alias], exc):
                 raise CommandError(
                     f"The connection to the database {alias!r} was lost ({exc}). Nothing is "
-                    f"lost: the batches that committed stay done. Run the {what} again when "
-                    "the database answers: it goes on where it stopped."
+                    f"lost: what committed stays done. Run the {what} again when the database "
+                    "answers: it goes on where it stopped."
                 ) from exc
         raise

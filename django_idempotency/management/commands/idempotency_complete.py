@@ -8,6 +8,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
+from django_idempotency.conf import conf
 from django_idempotency.exceptions import log_text
 from django_idempotency.flows.completer import (
     DEFAULT_LIMIT,
@@ -16,6 +17,7 @@ from django_idempotency.flows.completer import (
     abandoned,
     complete_abandoned,
 )
+from django_idempotency.management.lost_database import resumable_on_loss
 
 
 def _whole_number(text: str) -> int:
@@ -82,9 +84,10 @@ class Command(BaseCommand):
                         f"attempts={run.attempts}"
                     )
             return
-        completions = complete_abandoned(
-            limit=options["limit"], max_attempts=options["max_attempts"]
-        )
+        with resumable_on_loss([conf.DATABASE], "completer"):
+            completions = complete_abandoned(
+                limit=options["limit"], max_attempts=options["max_attempts"]
+            )
         for done in completions:
             if options["json"]:
                 self.stdout.write(json.dumps(done.as_dict()))
