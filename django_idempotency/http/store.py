@@ -531,8 +531,10 @@ class RecordStore:
         another transaction, on a live connection: a deadlock's victim (MariaDB 1213,
         PostgreSQL ``40P01``), a serialization failure (``40001``), a lock that was not granted
         in time (MariaDB 1205, PostgreSQL ``55P03``). The transaction must roll back, and
-        nothing of it takes effect: a retry may run it again. (On SQLite the claim holds the
-        database's write lock already, so storing the response meets no other writer.)
+        nothing of it takes effect: a retry may run it again. On SQLite, ``database is
+        locked``: another connection held the write lock past the connection's ``timeout``
+        (an atomic claim holds the lock already, but a lease-mode transaction takes it only
+        when the response is stored).
         """
         return transaction_conflicted(self.connection, exc)
 
@@ -593,6 +595,11 @@ def transaction_conflicted(connection: BaseDatabaseWrapper, exc: BaseException) 
     if vendor == "mysql":
         args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
         return bool(args) and args[0] in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
+    if vendor == "sqlite":
+        # Another connection held the database's write lock past the connection's timeout:
+        # SQLite's lock wait that ran out (only a lease-mode or phased transaction, whose first
+        # write comes late, meets it after the view ran; an atomic claim takes it first).
+        return "database is locked" in str(exc)
     return False
 
 
