@@ -18,7 +18,12 @@ from django.db import DatabaseError, OperationalError, connection, transaction
 
 from django_idempotency.outages import connection_lost
 
-pytestmark = [pytest.mark.postgres, pytest.mark.mysql, pytest.mark.django_db(transaction=True)]
+pytestmark = [
+    pytest.mark.slow,  # each waits for the server to end an idle session (1-1.5 s)
+    pytest.mark.postgres,
+    pytest.mark.mysql,
+    pytest.mark.django_db(transaction=True),
+]
 
 SETTINGS = {
     "postgresql": "SET SESSION idle_in_transaction_session_timeout = 200",  # milliseconds
