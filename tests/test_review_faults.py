@@ -14,6 +14,10 @@ Defects found:
   connection (each ``raised``, an attempt counted), where the next request would have
   reconnected (Django closes a connection that had errors and is unusable at each request's
   end).
+
+Probes that found nothing wrong, kept at the end: PostgreSQL's ``25P02`` (an ``InternalError``
+on a live connection) is no loss; SQLite's atomic claim that meets the write lock is still
+``409``; a SQLite rotation that meets it never says ``Done``.
 """
 
 from __future__ import annotations
@@ -282,3 +286,41 @@ def test_sqlite_an_atomic_claim_that_meets_the_write_lock_is_still_409() -> None
     assert response.status_code == 409, response.content
     assert json.loads(response.content)["type"].endswith("#in-progress"), response.content
     assert SQLITE_CALLS == []
+
+
+@pytest.mark.sqlite
+@pytest.mark.django_db(transaction=True)
+def test_sqlite_a_rotation_that_meets_the_write_lock_never_says_done() -> None:
+    """``database is locked`` is a conflict for the rotation's batches now (they were the
+    driver's error): a batch that meets another connection's write lock writes nothing, is read
+    again twice, then is left and counted as changed meanwhile. The rotation must then not say
+    ``Done`` (the operator would remove the old key), and every row keeps the key it had."""
+    from io import StringIO
+
+    from django_idempotency.protection import core
+    from django_idempotency.protection.keys import Keyring, key_id
+    from tests.protection_helpers import keys, new_key
+    from tests.test_protection_rotation import seed
+    from tests.test_review_decrypt_only import K1, RAW1
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite's write lock")
+    seed(Keyring((RAW1,)), 4)
+    newer = new_key()
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA busy_timeout = 200")
+    holder = sqlite3.connect(connection.settings_dict["NAME"], isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")  # readers go on, writers wait
+    out = StringIO()
+    try:
+        with keys(newer, K1):
+            call_command("idempotency_rotate_keys", stdout=out, stderr=StringIO(), batch_size=2)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        connection.close()
+    printed = out.getvalue()
+    assert "Done" not in printed, printed
+    assert "changed meanwhile" in printed, printed
+    headers = IdempotencyRecord.objects.values_list("response_headers", flat=True)
+    assert {core.stored_key_id(h) for h in headers} == {key_id(RAW1)}
