@@ -145,16 +145,22 @@ def complete_abandoned(
 
 
 def _drop_if_lost(alias: str) -> None:
-    """Close the connection to ``alias`` when the run just handled lost it (its ``503``), so
-    that the next run of the pass connects again, as the next request would (Django closes an
-    unusable connection at each request's end; nothing does between the completer's runs).
-    Every later run of the pass answered ``503`` on the dead connection. Not inside a caller's
-    transaction, which a close would break."""
-    connection = connections[alias]
-    if connection.connection is None or connection.in_atomic_block:
-        return
-    if not connection.is_usable():
-        connection.close()
+    """Close a connection the run just handled left dead, so that the next run of the pass
+    connects again, as the next request would (Django closes, at each request's end, a
+    connection that had an error and is unusable; nothing does between the completer's runs):
+    ``alias``'s, checked after every run (every later run answered ``503`` on it), and every
+    other alias's that had an error (a view's data on another database: every later run
+    raised on it, an attempt counted each time). Not inside a caller's transaction, which a
+    close would break."""
+    for connection in connections.all(initialized_only=True):
+        if connection.connection is None or connection.in_atomic_block:
+            continue
+        if connection.alias != alias and not connection.errors_occurred:
+            continue  # no round trip for a connection that had no error
+        if connection.is_usable():
+            connection.errors_occurred = False  # as Django's check at a request's end
+        else:
+            connection.close()
 
 
 def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> Completion:

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.outages import connection_lost
 
@@ -25,11 +26,19 @@ __all__ = ["resumable_on_loss"]
 def resumable_on_loss(aliases: Iterable[str], what: str) -> Iterator[None]:
     """Inside the block, a lost connection to one of ``aliases`` raises
     a ``CommandError`` saying that ``what`` goes on when run again; any other database error
-    (a constraint, a bug) stays the driver's, with its traceback."""
+    (a constraint, a lock wait that ran out, a bug) stays the driver's, with its traceback.
+
+    The error is judged against the connection that raised it, when its traceback names one:
+    an alias not connected yet (the purge's second database, while the first one fails) reads
+    as "could not connect" to :func:`~django_idempotency.outages.connection_lost`, and any
+    error of the first alias was reported as the second one lost."""
     try:
         yield
     except DatabaseError as exc:
-        for alias in aliases:
+        wanted = list(aliases)
+        raised_on = _raised_on(exc)
+        judged = [raised_on] if raised_on in wanted else wanted
+        for alias in judged:
             if connection_lost(connections[alias], exc):
                 raise CommandError(
                     f"The connection to the database {alias!r} was lost ({exc}). Nothing is "
@@ -37,3 +46,21 @@ def resumable_on_loss(aliases: Iterable[str], what: str) -> Iterator[None]:
                     "answers: it goes on where it stopped."
                 ) from exc
         raise
+
+
+def _raised_on(exc: BaseException) -> str | None:
+    """The alias of the database wrapper whose statement, connect or COMMIT raised ``exc``: the
+    innermost frame of its traceback run by a wrapper (its ``connect()``, ``commit()``...) or
+    by something that holds one (Django's cursor's ``db``, a compiler's or a store's
+    ``connection``); None when no frame says."""
+    found: str | None = None
+    trace = exc.__traceback__
+    while trace is not None:
+        owner = trace.tb_frame.f_locals.get("self")
+        held = getattr(owner, "__dict__", {})  # instance attributes only: no property runs
+        for wrapper in (owner, held.get("db"), held.get("connection")):
+            if isinstance(wrapper, BaseDatabaseWrapper):
+                found = wrapper.alias
+                break
+        trace = trace.tb_next
+    return found
