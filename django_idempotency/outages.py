@@ -27,9 +27,10 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 MYSQL_CONNECTION_LOST = frozenset({1053, 1927, 2002, 2003, 2005, 2006, 2013, 2055})
 #: PostgreSQL SQLSTATEs of a session the server ends: admin_shutdown, crash_shutdown,
 #: cannot_connect_now, idle_session_timeout (PostgreSQL 14), and
-#: idle_in_transaction_session_timeout (``25P03``, which psycopg raises as an ``InternalError``,
-#: class 25); and the class 08, connection_exception.
-POSTGRESQL_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03"})
+#: idle_in_transaction_session_timeout (``25P03``) and transaction_timeout (``25P04``,
+#: PostgreSQL 17), which psycopg raises as an ``InternalError`` (class 25); and the class 08,
+#: connection_exception.
+POSTGRESQL_SESSION_ENDED = frozenset({"57P01", "57P02", "57P03", "57P05", "25P03", "25P04"})
 #: What libpq, psycopg 3 and psycopg 2 say (lowercased) when a connection is lost, in an error
 #: that has no SQLSTATE.
 POSTGRESQL_LOST_WORDS = (

@@ -51,7 +51,7 @@ def test_a_session_ended_for_idling_in_a_transaction_is_a_lost_database() -> Non
 
 @pytest.mark.postgres
 def test_a_session_ended_for_idling_outside_a_transaction_is_a_lost_database() -> None:
-    if connection.vendor != "postgresql" or connection.pg_version < 140000:
+    if connection.vendor != "postgresql" or getattr(connection, "pg_version", 0) < 140000:
         pytest.skip("idle_session_timeout is PostgreSQL 14's")
     with connection.cursor() as cursor:
         cursor.execute("SET SESSION idle_session_timeout = 200")
@@ -105,3 +105,27 @@ def test_a_view_that_idles_past_the_timeout_is_503_and_the_retry_runs_it_once() 
     assert Effect.objects.filter(payload=key).count() == 1
     assert post().content == second.content  # replayed
     connection.close()  # its session's timeout goes with it
+
+
+@pytest.mark.postgres
+def test_postgresql_17s_transaction_timeout_is_a_lost_database_too() -> None:
+    """PostgreSQL 17's ``transaction_timeout`` ends the session with ``25P04``, raised as an
+    ``InternalError`` like ``25P03`` (the server here may be older: the error is built as
+    psycopg builds it); ``25P02`` (a statement after a failed one) stays a statement's."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's SQLSTATEs")
+    import psycopg
+    from django.db import InternalError
+
+    def wrapped(sqlstate: str) -> InternalError:
+        # As psycopg's class for it (older psycopg has no class for 25P04: built alike).
+        kind = type(f"E{sqlstate}", (psycopg.errors.InternalError,), {"sqlstate": sqlstate})
+        driver = kind("the server said so")
+        error = InternalError(str(driver))
+        error.__cause__ = driver
+        return error
+
+    connection.ensure_connection()
+    assert connection_lost(connection, wrapped("25P04"))
+    assert connection_lost(connection, wrapped("25P03"))
+    assert not connection_lost(connection, wrapped("25P02"))
