@@ -9,8 +9,13 @@ the first phase not done, and stores the final response, which a late retry gets
 
 A run that has raised, or answered an error (a 5xx, or a status that is not stored such as 401,
 403, 409 or 429), ``max_attempts`` times is rolled forward to failure instead (its
-compensations run, the ``flow-failed`` problem is stored). The ``idempotency_complete``
-command and the ``django_idempotency.complete_flows`` Celery task are thin wrappers.
+compensations run, the ``flow-failed`` problem is stored). A pass counts its attempt when it
+takes the run over, before any phase runs, so that a run whose resumption kills the
+completer's process every time (SIGKILL, the OOM killer, a crash in a C extension) is rolled
+forward too, after ``max_attempts`` passes, instead of killing every pass for ever; a pass
+that ends with an answer, or with a conflict's ``503``, gives that count back. The
+``idempotency_complete`` command and the ``django_idempotency.complete_flows`` Celery task are
+thin wrappers.
 
 Limits: the view is called directly, without middleware, session, cookies or headers other
 than the content type and the idempotency key; views must be function views.
@@ -207,6 +212,7 @@ def complete_one(run_row: FlowRun, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS) 
             failing=bool(refusal) or run_row.attempts >= max_attempts,
             refused=bool(refusal),
             count_lost=True,
+            count_pass=True,
         )
     except Exception as exc:  # reported, counted on the run, retried next time
         logger.exception(

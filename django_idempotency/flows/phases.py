@@ -133,6 +133,10 @@ COMPENSATION_CONSUMER = "django_idempotency.flow.compensate"
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS
 
+PASS_STARTED = "a completer pass started and did not end (its process died, or lost its lease)"
+"""The ``last_error`` of a run whose completer pass counted its attempt on starting
+(:meth:`Flow._count_pass`); the end of the pass, if it comes, writes its own."""
+
 #: Sent when a phase's function (or foreign call) returned, before its result commits; with
 #: ``flow`` and ``phase``. A crash here loses the phase's local writes but not a foreign effect.
 phase_ran = Signal()
@@ -319,6 +323,7 @@ def run(
     failing: bool = False,
     refused: bool = False,
     count_lost: bool = False,
+    count_pass: bool = False,
 ) -> HttpResponseBase:
     """Claim ``command`` and run (or resume) the flow; the completer calls this too.
 
@@ -328,7 +333,8 @@ def run(
     that returns before its first phase not done (a check of the anonymous user it now gets)
     must not leave the done phases in place as a stored success. ``count_lost`` (the
     completer): a lost database at a phase's own statements counts as an attempt
-    (:meth:`_FlowCore._count_lost`).
+    (:meth:`_FlowCore._count_lost`). ``count_pass`` (the completer): a run taken over counts
+    its attempt before any phase runs (:meth:`Flow._count_pass`).
     """
     core = _FlowCore(policy(view.options), request=request)
     core.count_lost = count_lost
@@ -337,6 +343,8 @@ def run(
         assert core.claim is not None
         flow = Flow(core, command, core.claim, view, request, args, kwargs, failing=failing)
         core.flow = flow
+        if count_pass and flow.recorded and not flow.failing:
+            flow._count_pass()
         if flow._unopened:  # recorded: the run pauses, its record kept
             raise ResponseUndecryptable(
                 "This request's earlier steps were stored encrypted with a key that is no "
@@ -424,7 +432,7 @@ class _FlowCore(Idempotency):
         # connection stayed in it, and every later query on it failed.
         flow = self.flow
         if flow is not None and flow.recorded:
-            flow._set_state(FlowRun.State.COMPLETED)
+            flow._set_state(FlowRun.State.COMPLETED, settle=True)
             telemetry.flow_run(flow.view.name if flow.view else "", "completed")
 
     def _store_failure(self, command: Command, claim: _Claim, captured: Captured) -> None:
@@ -444,7 +452,9 @@ class _FlowCore(Idempotency):
         assert flow is not None
         try:
             with transaction.atomic(using=self.policy.using):
-                flow._set_state(FlowRun.State.FAILED, stopped_at=flow._stopped_at or "")
+                flow._set_state(
+                    FlowRun.State.FAILED, stopped_at=flow._stopped_at or "", settle=True
+                )
                 headers, body = stored_response(
                     command.owner,
                     command.key,
@@ -487,7 +497,9 @@ class _FlowCore(Idempotency):
         ``idle_transaction_timeout`` shorter than a phase) paused the run on every pass, for
         ever; counted, it is rolled forward after ``max_attempts`` passes, as a view that
         raises every time is. A roll forward (``failing``) has nothing more to count toward.
-        Best effort: a database still out of reach leaves the count as it was."""
+        A pass that counted itself on starting (:meth:`Flow._count_pass`) is not counted
+        again: only its ``last_error`` is written. Best effort: a database still out of reach
+        leaves the count as it was."""
         flow = self.flow
         if flow is None or not flow.recorded or flow.failing:
             return
@@ -582,6 +594,12 @@ class Flow:
     """The phase an earlier roll-forward of this run stopped at (with unstored_failure)."""
     _unopened: bool = False
     """The run's stored results could not be decrypted: it must not run (see run())."""
+    _counted: bool = False
+    """This completer pass counted its attempt on starting (:meth:`_count_pass`), and has not
+    given it back."""
+    _last_error: str = ""
+    """The run's ``last_error`` as this pass found it, written back when it gives back its
+    count on ending (:meth:`_set_state`)."""
 
     def __post_init__(self) -> None:
         if self.claim is not None:
@@ -719,6 +737,7 @@ class Flow:
             FlowRun.objects.using(self._alias).filter(pk=run.pk).delete()
             return
         self._run_id = run.pk
+        self._last_error = run.last_error
         try:
             results = open_value(run.results, flow_context(run.record_id, "results"))
         except Undecryptable as error:
@@ -868,34 +887,79 @@ class Flow:
         self._results = results
         self._started = values.get("started", self._started)
 
-    def _set_state(self, state: str, *, stopped_at: str = "") -> None:
+    def _set_state(self, state: str, *, stopped_at: str = "", settle: bool = False) -> None:
         """Set the run's state. ``stopped_at``: a run marked ``failed`` keeps in ``started``
         the phase its roll-forward stopped at (the failure's ``interrupted``; "" for none), so
-        that a later roll-forward stores the same answer (:meth:`_roll_forward`)."""
+        that a later roll-forward stores the same answer (:meth:`_roll_forward`). ``settle``:
+        the run's answer is stored in this same transaction, so the attempt a completer pass
+        counted on starting (:meth:`_count_pass`) is given back, with the ``last_error`` it
+        found: a pass that ends with an answer is no failed attempt, as before. Rolled back
+        with that transaction, the give-back is made again by the pause that follows."""
         assert self._run_id is not None
-        FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
-            state=state, started=stopped_at, updated_at=timezone.now()
-        )
+        values: dict[str, Any] = {
+            "state": state,
+            "started": stopped_at,
+            "updated_at": timezone.now(),
+        }
+        if settle and self._counted:
+            values.update(attempts=F("attempts") - 1, last_error=self._last_error)
+        FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(**values)
+
+    def _count_pass(self) -> None:
+        """Count this completer pass as an attempt before any phase runs, in a transaction of
+        its own behind the fence (:data:`PASS_STARTED`).
+
+        Counted only when it ended (a pause, a raise), a pass whose process died at the same
+        point every time (SIGKILL, the OOM killer, a crash in a C extension) was never counted:
+        each pass after the lease took the run over and died again, for ever, and the runs
+        behind it were never reached. Counted now, it is rolled forward to failure after
+        ``max_attempts`` passes, as a run that raises every time is. The ends of the pass that
+        count an attempt do not count it again, and one that is no attempt gives it back
+        (:meth:`_recount`, :meth:`_set_state`). A pass whose lease another pass took over keeps
+        its count: it did not end within its lease.
+        """
+        assert self._run_id is not None
+        with self._conflicts(), transaction.atomic(using=self._alias):
+            self._fence()
+            FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
+                attempts=F("attempts") + 1, last_error=PASS_STARTED, updated_at=timezone.now()
+            )
+        self._counted = True
+
+    def _recount(self, count: bool) -> int:
+        """How ``attempts`` moves at an end of this run that is (``count``) or is not an
+        attempt: by one, or by none, or back by one for the attempt that the completer pass
+        counted on starting (:meth:`_count_pass`) when this end is no attempt."""
+        if self._counted:
+            return 0 if count else -1
+        return 1 if count else 0
 
     def _pause(self, error: str, *, count: bool) -> None:
-        """Give up the lease at once and keep the recovery point (a run that did not finish)."""
+        """Give up the lease at once and keep the recovery point (a run that did not finish);
+        ``count``: this is an attempt (:meth:`_recount`)."""
         assert self.claim is not None and self._run_id is not None
         with transaction.atomic(using=self._alias):
             assert self.core is not None
             held = self.core.store.extend(self._record_id, self.claim.token, timedelta(0))
             if held:
                 FlowRun.objects.using(self._alias).filter(pk=self._run_id).update(
-                    attempts=F("attempts") + (1 if count else 0),
+                    attempts=F("attempts") + self._recount(count),
                     last_error=error,
                     updated_at=timezone.now(),
                 )
+        if held:
+            self._counted = self._counted and count
 
     def _count_attempt(self, error: str) -> None:
         """Count an attempt without giving up the lease (:meth:`_FlowCore._count_lost`)."""
         assert self._run_id is not None
         FlowRun.objects.using(self._alias).filter(
             pk=self._run_id, state=FlowRun.State.RUNNING
-        ).update(attempts=F("attempts") + 1, last_error=error, updated_at=timezone.now())
+        ).update(
+            attempts=F("attempts") + self._recount(True),
+            last_error=error,
+            updated_at=timezone.now(),
+        )
 
     def _roll_forward(self, interrupted: str | None) -> HttpResponse:
         """Compensate the phases that are done, newest first, each once; answer FlowFailed.

@@ -5,6 +5,9 @@
 ``flow-remote-call`` effect with the call's key as payload) and ``three`` (local,
 ``flow-three``). ``/probe/flow-unresumable/`` is the same with ``two`` marked
 ``resumable=False``. ``/probe/flow-whoami/`` records who ran each of its two phases.
+``/probe/flow-poison/`` runs ``one`` and ``two`` (local, ``poison-one``/``poison-two``), and
+its ``two`` SIGKILLs its own process for a body ``{"poison": true}`` in a process started with
+``PROBE_POISON=1`` (the completer's, in ``tests/test_completer_poison.py``).
 Headers, which are not part of the fingerprint, so that a retry may differ:
 
 * ``X-Flow-Raise: <phase>`` raises :class:`ProbeError` after that phase; ``X-Flow-Raise:
@@ -18,6 +21,7 @@ request with ``X-Crash-At: <phase>:ran`` (its function returned, nothing committ
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -125,6 +129,28 @@ def flow_whoami(request: HttpRequest, flow: Flow) -> HttpResponse:
         lambda: Effect.objects.create(name="whoami-two", payload=f"{key} {whoami(request)}").pk,
     )
     return JsonResponse({"user": whoami(request)}, status=201)
+
+
+@csrf_exempt
+@idempotent(phases=True, lease=timedelta(seconds=30))
+def flow_poison(request: HttpRequest, flow: Flow) -> HttpResponse:
+    """A poison message for the completer: ``two`` kills the process that resumes it (see the
+    module's docstring); ``one`` is compensated by a ``poison-undo-one`` effect."""
+    key = request.headers.get("Idempotency-Key", "")
+    poison = json.loads(request.body or b"{}").get("poison") is True
+    one = flow.phase(
+        "one",
+        lambda: Effect.objects.create(name="poison-one", payload=key).pk,
+        compensate=_undo("poison-undo-one", key),
+    )
+    two = flow.phase("two", lambda: _poisoned_phase(key, poison))
+    return JsonResponse({"one": one, "two": two}, status=201)
+
+
+def _poisoned_phase(key: str, poison: bool) -> int:
+    if poison and os.environ.get("PROBE_POISON") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return int(Effect.objects.create(name="poison-two", payload=key).pk)
 
 
 @receiver(phase_ran, dispatch_uid="probe-crash-ran")

@@ -36,6 +36,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("flow/", probe_flows.flow_probe, name="probe-flow"),
     path("flow-unresumable/", probe_flows.flow_unresumable, name="probe-flow-unresumable"),
     path("flow-whoami/", probe_flows.flow_whoami, name="probe-flow-whoami"),
+    path("flow-poison/", probe_flows.flow_poison, name="probe-flow-poison"),
     path("outbox/order-then-die/", outbox_probe.order_then_die, name="probe-outbox-die"),
     path("outbox/effect/", outbox_probe.effect_and_event, name="probe-outbox-effect"),
     path("secret/", probe_protection.secret_echo, name="probe-secret"),
