@@ -57,7 +57,7 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
     if not isinstance(exc, (OperationalError, InterfaceError)):
         # Only PostgreSQL's idle_in_transaction_session_timeout, among the sessions the server
         # ends, comes as another class (InternalError): it was read as a statement's error.
-        return connection.vendor == "postgresql" and _sqlstate(exc) in POSTGRESQL_SESSION_ENDED
+        return connection.vendor == "postgresql" and sqlstate(exc) in POSTGRESQL_SESSION_ENDED
     raw = connection.connection
     if raw is None or raised_by_connect(exc):  # connecting failed (refused, timed out...)
         return True
@@ -71,7 +71,7 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
         # at, Django's atomic block may have replaced that connection with a new one (a failed
         # COMMIT: its ROLLBACK fails too, the connection is closed, and leaving the block
         # reconnects), so the error's own words count too.
-        state = _sqlstate(exc)
+        state = sqlstate(exc)
         if state:
             return state.startswith("08") or state in POSTGRESQL_SESSION_ENDED
         if getattr(raw, "broken", False) or raw.closed:
@@ -86,7 +86,7 @@ def connection_lost(connection: BaseDatabaseWrapper, exc: BaseException) -> bool
     return "unable to open" in str(exc)  # SQLite: the file cannot be opened
 
 
-def _sqlstate(exc: BaseException) -> str:
+def sqlstate(exc: BaseException) -> str:
     """The SQLSTATE of a PostgreSQL error (psycopg 3's ``sqlstate``, psycopg 2's ``pgcode``),
     read from the driver's error that Django's wraps; "" when it has none."""
     cause = exc.__cause__ or exc

@@ -99,8 +99,9 @@ from django_idempotency.http.handler import (
     prepare,
     replay_response,
 )
-from django_idempotency.http.store import SERIALIZATION_FAILURE, _dependencies, _sqlstate
+from django_idempotency.http.store import SERIALIZATION_FAILURE, _dependencies
 from django_idempotency.models import FlowRun, IdempotencyRecord, ProcessedEvent
+from django_idempotency.outages import sqlstate
 from django_idempotency.protection.core import (
     Undecryptable,
     flow_context,
@@ -840,7 +841,7 @@ class Flow:
             # change, the claim is still this run's. That is a conflict (503, the run kept for
             # a retry to resume), as it is while the response is stored; it answered 409 "a
             # retry took it over", and the lease stayed held until it ran out.
-            if _sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
+            if sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
                 raise
             updated = 0
         if updated != 1:

@@ -85,7 +85,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 
 from django_idempotency.exceptions import StaleClaim
 from django_idempotency.models import IdempotencyRecord
-from django_idempotency.outages import connection_lost
+from django_idempotency.outages import connection_lost, sqlstate
 from django_idempotency.pg_roundtrips import execute_first, execute_last
 
 IN_PROGRESS = IdempotencyRecord.State.IN_PROGRESS.value
@@ -265,7 +265,7 @@ class RecordStore:
         try:
             rows = execute_first(self.connection, CLAIM_POSTGRESQL, params)
         except OperationalError as exc:
-            if _sqlstate(exc) != SERIALIZATION_FAILURE:
+            if sqlstate(exc) != SERIALIZATION_FAILURE:
                 raise
             # REPEATABLE READ or SERIALIZABLE, and a rival committed this key after the
             # transaction's snapshot was taken (under ATOMIC_REQUESTS, by a session lookup
@@ -456,7 +456,7 @@ class RecordStore:
                 # and the view's writes roll back. It answered 500. (Not SERIALIZABLE's failure
                 # for read/write dependencies: the claim is still this request's, see
                 # _dependencies.)
-                if _sqlstate(exc) not in (NO_DATA_FOUND, SERIALIZATION_FAILURE) or _dependencies(
+                if sqlstate(exc) not in (NO_DATA_FOUND, SERIALIZATION_FAILURE) or _dependencies(
                     exc
                 ):
                     raise
@@ -490,7 +490,7 @@ class RecordStore:
                 )
             except OperationalError as exc:
                 # As in complete(): a takeover after this transaction's snapshot.
-                if _sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
+                if sqlstate(exc) != SERIALIZATION_FAILURE or _dependencies(exc):
                     raise
                 deleted = 0
             else:
@@ -591,7 +591,7 @@ def transaction_conflicted(connection: BaseDatabaseWrapper, exc: BaseException) 
         return False
     vendor = connection.vendor
     if vendor == "postgresql":
-        return _sqlstate(exc) in (SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE)
+        return sqlstate(exc) in (SERIALIZATION_FAILURE, DEADLOCK_DETECTED, LOCK_NOT_AVAILABLE)
     if vendor == "mysql":
         args: Sequence[Any] = getattr(exc.__cause__ or exc, "args", ())
         return bool(args) and args[0] in (ER_LOCK_WAIT_TIMEOUT, ER_LOCK_DEADLOCK)
@@ -601,11 +601,6 @@ def transaction_conflicted(connection: BaseDatabaseWrapper, exc: BaseException) 
         # write comes late, meets it after the view ran; an atomic claim takes it first).
         return "database is locked" in str(exc)
     return False
-
-
-def _sqlstate(exc: DatabaseError) -> str | None:
-    cause = exc.__cause__
-    return getattr(cause, "sqlstate", None) or getattr(cause, "pgcode", None)
 
 
 def _dependencies(exc: DatabaseError) -> bool:
